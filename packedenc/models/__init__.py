@@ -1,0 +1,55 @@
+"""Model families. Each module owns its config, params tree, `params_spec`, `init`, `encode` and heads.
+
+`family_for_model_type("modernbert")` returns the module; `family_of(params)` does the same from a
+params tree, which is how `packedenc.encode(params, ...)` dispatches.
+
+Adding a model (checklist):
+1. `models/<family>.py`: a frozen `<Name>Config` with `from_hf`/`to_hf` (raise `ConfigError` on
+   anything the math does not honour), `@pytree_dataclass` params with HF-named fields,
+   `params_spec(cfg)`, `init(cfg, generator)`, `encode(params, ids, cu_seqlens, ...)`, heads.
+2. `convert/hf_<family>.py`: the key map (HF key <-> params leaf path) and per-key transforms.
+3. Register the family in `_FAMILIES` below (model_type -> module, params class).
+4. `tests/models/test_<family>_vs_hf.py`: tiny random HF model, save_pretrained, load, compare.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from packedenc.errors import ConfigError
+
+# model_type in config.json -> module under packedenc.models
+_FAMILIES: dict[str, str] = {
+    "modernbert": "modernbert",
+}
+
+# module name -> name of its params class (for dispatch on a params tree)
+_PARAMS_CLASSES: dict[str, str] = {
+    "modernbert": "ModernBertParams",
+}
+
+
+def register_family(model_types: tuple[str, ...], module: str, params_class: str) -> None:
+    for t in model_types:
+        _FAMILIES[t] = module
+    _PARAMS_CLASSES[module] = params_class
+
+
+def family_for_model_type(model_type: str | None) -> ModuleType:
+    if model_type not in _FAMILIES:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r}; packedenc supports {sorted(_FAMILIES)}"
+        )
+    return importlib.import_module(f"packedenc.models.{_FAMILIES[model_type]}")
+
+
+def family_of(params: Any) -> ModuleType:
+    for module, cls_name in _PARAMS_CLASSES.items():
+        mod = importlib.import_module(f"packedenc.models.{module}")
+        if type(params).__name__ == cls_name and isinstance(params, getattr(mod, cls_name)):
+            return mod
+    raise ConfigError(
+        f"{type(params).__name__} is not a packedenc params tree; get one from packedenc.load(...)"
+    )

@@ -1,0 +1,60 @@
+"""Pieces every family shares: input checking for `encode` and random init from a spec tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packedenc.errors import InputError
+from packedenc.packing import check_cu_seqlens, check_ids, positions_from_cu_seqlens
+from packedenc.pytree import ParamSpec, tree_map_specs
+
+
+def prepare_inputs(
+    ids: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None,
+    positions: Tensor | None,
+    vocab_size: int | None,
+    validate: bool,
+) -> tuple[Tensor, Tensor, int, Tensor]:
+    """Check an encode call's inputs and fill in what can be derived.
+
+    Dtype/shape checks always run. Value checks (range of ids, monotone cu_seqlens) run when the
+    tensors are on the CPU (free) or when `validate=True` (one device sync); the GPU hot loop
+    never syncs unless asked. A missing `max_seqlen` costs one sync.
+    """
+    check_ids(ids, vocab_size, values=False)
+    check_cu_seqlens(cu_seqlens, values=False)
+    if cu_seqlens.device != ids.device:
+        raise InputError(f"cu_seqlens is on {cu_seqlens.device} but ids on {ids.device}; move both")
+    values = validate or ids.device.type == "cpu"
+    if values:
+        check_ids(ids, vocab_size)
+        check_cu_seqlens(cu_seqlens, ids.numel())
+    if cu_seqlens.dtype != torch.int32:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    elif values and max_seqlen < int((cu_seqlens[1:] - cu_seqlens[:-1]).max()):
+        raise InputError(f"max_seqlen={max_seqlen} is smaller than the longest sequence")
+    if positions is None:
+        positions = positions_from_cu_seqlens(cu_seqlens, ids.numel())
+    elif positions.shape != ids.shape:
+        raise InputError(f"positions shape {tuple(positions.shape)} must equal ids shape {tuple(ids.shape)}")
+    return ids, cu_seqlens, int(max_seqlen), positions
+
+
+def init_from_spec(spec: Any, std: float, generator: torch.Generator | None, dtype: torch.dtype) -> Any:
+    """Materialise a `params_spec` tree: normal(0, std) weights, ones/zeros where the spec says."""
+
+    def make(_: str, s: ParamSpec) -> Tensor:
+        if s.init == "zeros":
+            return torch.zeros(s.shape, dtype=dtype)
+        if s.init == "ones":
+            return torch.ones(s.shape, dtype=dtype)
+        return (torch.randn(s.shape, generator=generator) * std).to(dtype)
+
+    return tree_map_specs(make, spec)

@@ -1,0 +1,347 @@
+"""ModernBERT (and Ettin, mmBERT, gte-modernbert, ModernColBERT) as a pure packed function.
+
+Matches `transformers/models/modernbert/modeling_modernbert.py` of transformers 5.24 (eager /
+SDPA numerics: RoPE cos/sin rounded to the activation dtype, rotation in fp32). Positions restart
+at 0 in every packed sequence, which equals HF on right-padded batches.
+
+Shapes: T packed tokens, S sequences, D hidden, H heads, K head dim, F mlp width, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packedenc.errors import ConfigError
+from packedenc.kernels import Ops, get_ops
+from packedenc.kernels.reference import check_activation
+from packedenc.models.common import prepare_inputs
+from packedenc.packing import pool_first, pool_mean
+from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static
+
+MODEL_TYPES = ("modernbert",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModernBertConfig:
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    hidden_activation: str = "gelu"
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+    norm_eps: float = 1e-5
+    norm_bias: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    local_attention: int = 128  # TOTAL window: local layers see |i - j| <= local_attention // 2
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention", one per layer
+    global_rope_theta: float = 160000.0
+    local_rope_theta: float = 10000.0
+    pad_token_id: int | None = 50283
+    bos_token_id: int | None = 50281
+    eos_token_id: int | None = 50282
+    cls_token_id: int | None = 50281
+    sep_token_id: int | None = 50282
+    decoder_bias: bool = True
+    classifier_pooling: str = "cls"
+    classifier_bias: bool = False
+    classifier_activation: str = "gelu"
+    tie_word_embeddings: bool = True
+    id2label: tuple[tuple[int, str], ...] = ()  # classifier label names, kept for round trips
+    architectures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", _layer_types(self.num_hidden_layers, 3))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        bad = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if bad:
+            raise ConfigError(f"unsupported ModernBERT layer_types {sorted(bad)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.local_attention < 0 or self.local_attention % 2:
+            raise ConfigError(f"local_attention must be a positive even number, got {self.local_attention}")
+        if self.classifier_pooling not in ("cls", "mean"):
+            raise ConfigError(f"classifier_pooling must be 'cls' or 'mean', got {self.classifier_pooling!r}")
+        check_activation(self.hidden_activation)
+        check_activation(self.classifier_activation)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    def is_global_layer(self, i: int) -> bool:
+        return self.layer_types[i] == "full_attention"
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModernBertConfig":
+        """Build from an HF config.json dict (4.x and 5.x schemas). Raises on what we can't honour."""
+        if d.get("model_type") not in MODEL_TYPES:
+            raise ConfigError(f"not a ModernBERT config: model_type={d.get('model_type')!r}")
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            n = d.get("global_attn_every_n_layers", 3) or 3
+            layer_types = _layer_types(d.get("num_hidden_layers", 22), n)
+        global_theta, local_theta = _rope_thetas(d)
+        if "head_dim" in d and d["head_dim"] not in (None, d.get("hidden_size", 768) // d.get("num_attention_heads", 12)):
+            raise ConfigError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads is not supported")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names and k not in ("layer_types", "id2label", "architectures")}
+        for k in ("eos_token_id", "bos_token_id"):
+            if isinstance(kw.get(k), list):
+                kw[k] = kw[k][0] if kw[k] else None
+        id2label = tuple(sorted((int(k), str(v)) for k, v in (d.get("id2label") or {}).items()))
+        return cls(
+            **kw,
+            layer_types=tuple(layer_types),
+            global_rope_theta=global_theta,
+            local_rope_theta=local_theta,
+            id2label=id2label,
+            architectures=tuple(d.get("architectures") or ()),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that transformers (4.57+ and 5.x) loads to the same model."""
+        d = dataclasses.asdict(self)
+        d.pop("global_rope_theta"), d.pop("local_rope_theta")
+        d["model_type"] = "modernbert"
+        d["layer_types"] = list(self.layer_types)
+        d["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": self.global_rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": self.local_rope_theta},
+        }
+        # 4.x reads these two; 5.x folds them into rope_parameters (which wins when both exist).
+        d["global_rope_theta"], d["local_rope_theta"] = self.global_rope_theta, self.local_rope_theta
+        d["architectures"] = list(self.architectures) or ["ModernBertModel"]
+        if self.id2label:
+            d["id2label"] = {str(i): n for i, n in self.id2label}
+            d["label2id"] = {n: i for i, n in self.id2label}
+        else:
+            d.pop("id2label")
+        return d
+
+
+def _layer_types(n_layers: int, every: int) -> tuple[str, ...]:
+    return tuple("sliding_attention" if i % every else "full_attention" for i in range(n_layers))
+
+
+def _rope_thetas(d: dict[str, Any]) -> tuple[float, float]:
+    rp = d.get("rope_parameters")
+    if d.get("rope_scaling"):
+        raise ConfigError(f"rope_scaling {d['rope_scaling']} is not supported (default RoPE only)")
+    if rp:
+        thetas = []
+        for kind, legacy, default in (("full_attention", "global_rope_theta", 160000.0),
+                                      ("sliding_attention", "local_rope_theta", 10000.0)):
+            p = rp.get(kind) or {}
+            if p.get("rope_type", "default") != "default":
+                raise ConfigError(f"rope_type {p['rope_type']!r} for {kind} is not supported (default RoPE only)")
+            thetas.append(float(p.get("rope_theta") or d.get(legacy) or default))
+        return thetas[0], thetas[1]
+    g = float(d.get("global_rope_theta") or d.get("rope_theta") or 160000.0)
+    local = d.get("local_rope_theta", 10000.0)
+    return g, float(g if local is None else local)  # 4.x: local None -> global theta
+
+
+# ---- params -----------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class Embeddings:  # HF: model.embeddings.*
+    tok_embeddings: Embedding  # (V, D)
+    norm: Norm
+
+
+@pytree_dataclass
+class Attn:  # HF: model.layers.{i}.attn.*
+    wqkv: Linear  # (3*H*K, D): rows q | k | v, heads contiguous
+    wo: Linear  # (D, H*K)
+
+
+@pytree_dataclass
+class Mlp:  # HF: model.layers.{i}.mlp.*
+    wi: Linear  # (2*F, D): rows input | gate
+    wo: Linear  # (D, F)
+
+
+@pytree_dataclass
+class Layer:  # HF: model.layers.{i}.*
+    attn_norm: Norm | None  # None in layer 0 (HF has nn.Identity there)
+    attn: Attn
+    mlp_norm: Norm
+    mlp: Mlp
+
+
+@pytree_dataclass
+class PredictionHead:  # HF: head.*  (dense -> act -> norm)
+    dense: Linear
+    norm: Norm
+
+
+@pytree_dataclass
+class ModernBertParams:
+    embeddings: Embeddings
+    layers: tuple[Layer, ...]
+    final_norm: Norm
+    head: PredictionHead | None = None  # MLM / classification checkpoints
+    decoder: Linear | None = None  # MLM: weight None-tied to tok_embeddings unless untied
+    classifier: Linear | None = None  # sequence classification: (num_labels, D)
+    config: ModernBertConfig = static(None)
+
+
+def params_spec(cfg: ModernBertConfig, *, heads: tuple[str, ...] = ()) -> ModernBertParams:
+    """The params tree with `ParamSpec` leaves. `heads` adds "mlm" and/or "classifier" pieces."""
+    D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+
+    def lin(o: int, i: int, bias: bool) -> Linear:
+        return Linear(ParamSpec((o, i)), ParamSpec((o,), "zeros") if bias else None)
+
+    def norm() -> Norm:
+        return Norm(ParamSpec((D,), "ones"), ParamSpec((D,), "zeros") if cfg.norm_bias else None)
+
+    layers = tuple(
+        Layer(
+            attn_norm=None if i == 0 else norm(),
+            attn=Attn(wqkv=lin(3 * D, D, cfg.attention_bias), wo=lin(D, D, cfg.attention_bias)),
+            mlp_norm=norm(),
+            mlp=Mlp(wi=lin(2 * F, D, cfg.mlp_bias), wo=lin(D, F, cfg.mlp_bias)),
+        )
+        for i in range(cfg.num_hidden_layers)
+    )
+    head = PredictionHead(lin(D, D, cfg.classifier_bias), norm()) if heads else None
+    decoder = None
+    if "mlm" in heads:
+        weight = None if cfg.tie_word_embeddings else ParamSpec((V, D))
+        decoder = Linear(weight, ParamSpec((V,), "zeros") if cfg.decoder_bias else None)
+    classifier = lin(cfg.num_labels or 2, D, True) if "classifier" in heads else None
+    return ModernBertParams(
+        embeddings=Embeddings(Embedding(ParamSpec((V, D))), norm()),
+        layers=layers,
+        final_norm=norm(),
+        head=head,
+        decoder=decoder,
+        classifier=classifier,
+        config=cfg,
+    )
+
+
+# ---- forward ----------------------------------------------------------------------------------
+
+
+def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, positions_T: Tensor,
+          i: int, cfg: ModernBertConfig, ops: Ops) -> Tensor:
+    """One pre-norm ModernBERT layer over a padding-free buffer. Pure: returns a new tensor."""
+    T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
+    is_global = cfg.is_global_layer(i)
+    window = (-1, -1) if is_global else (cfg.local_attention // 2,) * 2  # local: |q-k| <= 64
+    theta = cfg.global_rope_theta if is_global else cfg.local_rope_theta
+
+    h_TD = x_TD if p.attn_norm is None else ops.layer_norm(x_TD, p.attn_norm.weight, p.attn_norm.bias, cfg.norm_eps)
+    qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
+    q_THK, k_THK = ops.rotary(qkv_T3HK, positions_T, theta)  # positions restart per sequence
+    o_THK = ops.varlen_attention(q_THK, k_THK, qkv_T3HK[:, 2], cu_seqlens, max_seqlen, window=window)
+    x_TD = x_TD + ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
+
+    h_TD = ops.layer_norm(x_TD, p.mlp_norm.weight, p.mlp_norm.bias, cfg.norm_eps)
+    u_T2F = ops.linear(h_TD, p.mlp.wi.weight, p.mlp.wi.bias)  # (T, 2F): input half | gate half
+    g_TF = ops.glu(u_T2F, cfg.hidden_activation)
+    return x_TD + ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias)
+
+
+def encode(
+    params: ModernBertParams,
+    ids: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None = None,
+    positions: Tensor | None = None,
+    *,
+    backend: str | Ops = "auto",
+    validate: bool = False,
+) -> Tensor:
+    """Last hidden state of every packed token (after `final_norm`).
+
+    Arguments:
+        params: a `ModernBertParams` tree (from `packedenc.load` or `init`).
+        ids: (T,) integer token ids, sequences back to back, no padding.
+        cu_seqlens: (S+1,) int32 boundaries, starting at 0 and ending at T.
+        max_seqlen: host int, the longest sequence; computed (one host sync) when None.
+        positions: (T,) position inside each sequence; derived from cu_seqlens when None.
+        backend: "auto", "reference", "triton", "flash", "cute", or an `Ops` table.
+        validate: check values of ids / cu_seqlens even when they live on a GPU (syncs).
+    Return:
+        (T, D) in the params' dtype.
+    """
+    cfg = params.config
+    ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate
+    )
+    ops = get_ops(backend, ids.device)
+    emb, norm = params.embeddings, params.embeddings.norm
+    x_TD = ops.embed_layer_norm(ids, emb.tok_embeddings.weight, norm.weight, norm.bias, cfg.norm_eps)
+    for i, p in enumerate(params.layers):
+        x_TD = layer(p, x_TD, cu_seqlens, max_seqlen, positions, i, cfg, ops)
+    return ops.layer_norm(x_TD, params.final_norm.weight, params.final_norm.bias, cfg.norm_eps)
+
+
+# ---- heads (pure functions of the same params) -------------------------------------------------
+
+
+def _head(params: ModernBertParams, h_XD: Tensor, ops: Ops) -> Tensor:
+    if params.head is None:
+        raise ConfigError("these params have no prediction head: load an MLM or classification checkpoint")
+    cfg = params.config
+    d, n = params.head.dense, params.head.norm
+    a_XD = ops.activation(ops.linear(h_XD, d.weight, d.bias), cfg.classifier_activation)
+    return ops.layer_norm(a_XD, n.weight, n.bias, cfg.norm_eps)
+
+
+def mlm_logits(params: ModernBertParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (T, V) MLM logits: head (dense, act, norm), then the (tied) decoder.
+
+    To score only some tokens (masked positions), index `hidden_TD` before calling.
+    """
+    if params.decoder is None:
+        raise ConfigError("these params have no MLM decoder: load a ModernBertForMaskedLM checkpoint")
+    ops = get_ops(backend, hidden_TD.device)
+    w = params.decoder.weight
+    w = params.embeddings.tok_embeddings.weight if w is None else w  # tied
+    return ops.linear(_head(params, hidden_TD, ops), w, params.decoder.bias)
+
+
+def classify(params: ModernBertParams, hidden_TD: Tensor, cu_seqlens: Tensor, *,
+             backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (S, num_labels) logits: cls/mean pooling -> head -> classifier."""
+    if params.classifier is None:
+        raise ConfigError("these params have no classifier: load a ...ForSequenceClassification checkpoint")
+    ops = get_ops(backend, hidden_TD.device)
+    pooled_SD = (pool_first if params.config.classifier_pooling == "cls" else pool_mean)(hidden_TD, cu_seqlens)
+    c = params.classifier
+    return ops.linear(_head(params, pooled_SD, ops), c.weight, c.bias)
+
+
+def init(cfg: ModernBertConfig, generator: torch.Generator | None = None, *,
+         heads: tuple[str, ...] = (), dtype: torch.dtype = torch.float32) -> ModernBertParams:
+    """Random params (normal(0, initializer_range) weights, unit norms, zero biases)."""
+    from packedenc.models.common import init_from_spec
+
+    return init_from_spec(params_spec(cfg, heads=heads), cfg.initializer_range, generator, dtype)
+
+
+def config_from_hf(d: dict[str, Any]) -> ModernBertConfig:
+    return ModernBertConfig.from_hf(d)

@@ -1,0 +1,29 @@
+"""Shared test setup.
+
+Without a CUDA GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
+any kernel module is imported (triton picks the mode when `@triton.jit` decorates), so it is set
+here, at collection time. Tests marked `gpu` are skipped without a GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker `gpu`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
