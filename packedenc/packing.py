@@ -115,11 +115,14 @@ def pack(
         raise InputError("pack() got an empty batch: pass at least one sequence")
     parts = []
     for i, s in enumerate(sequences):
-        t = s if isinstance(s, Tensor) else torch.as_tensor(list(s), dtype=torch.long)
-        if t.dim() != 1:
-            raise InputError(f"sequence {i} must be 1-D, got shape {tuple(t.shape)}")
+        try:
+            t = s if isinstance(s, Tensor) else torch.as_tensor(list(s))
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(f"sequence {i} is not a list of integer token ids: {e}") from None
         if t.numel() == 0:
             raise InputError(f"sequence {i} is empty: every packed sequence needs at least one token")
+        if t.dim() != 1:
+            raise InputError(f"sequence {i} must be 1-D, got shape {tuple(t.shape)}")
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise InputError(f"sequence {i} must hold integer token ids, got {t.dtype}")
         parts.append(t.long())

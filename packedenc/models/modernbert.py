@@ -102,7 +102,8 @@ class ModernBertConfig:
         if "head_dim" in d and d["head_dim"] not in (None, d.get("hidden_size", 768) // d.get("num_attention_heads", 12)):
             raise ConfigError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads is not supported")
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names and k not in ("layer_types", "id2label", "architectures")}
+        skip = ("layer_types", "id2label", "architectures", "global_rope_theta", "local_rope_theta")
+        kw = {k: v for k, v in d.items() if k in names and k not in skip}
         for k in ("eos_token_id", "bos_token_id"):
             if isinstance(kw.get(k), list):
                 kw[k] = kw[k][0] if kw[k] else None
@@ -128,7 +129,7 @@ class ModernBertConfig:
         }
         # 4.x reads these two; 5.x folds them into rope_parameters (which wins when both exist).
         d["global_rope_theta"], d["local_rope_theta"] = self.global_rope_theta, self.local_rope_theta
-        d["architectures"] = list(self.architectures) or ["ModernBertModel"]
+        d["architectures"] = list(self.architectures)  # `save` sets it from the heads present
         if self.id2label:
             d["id2label"] = {str(i): n for i, n in self.id2label}
             d["label2id"] = {n: i for i, n in self.id2label}
