@@ -67,6 +67,8 @@ class Ops:
     glu: Callable
     rotary: Callable
     varlen_attention: Callable
+    deberta_attention: Callable  # disentangled (content + c2p + p2c) attention, DeBERTa-v2/v3
+    varlen_conv1d: Callable  # conv along each packed sequence (DeBERTa-v2-xlarge ConvLayer)
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("backend", "chosen"))
