@@ -26,6 +26,7 @@ __all__ = [
     "rope_inv_freq",
     "rotary",
     "varlen_attention",
+    "graph_attention",
     "log_bucket_position",
     "relative_positions",
     "deberta_attention",

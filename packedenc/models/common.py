@@ -30,7 +30,9 @@ def prepare_inputs(
     check_cu_seqlens(cu_seqlens, values=False)
     if cu_seqlens.device != ids.device:
         raise InputError(f"cu_seqlens is on {cu_seqlens.device} but ids on {ids.device}; move both")
-    values = validate or ids.device.type == "cpu"
+    # Under torch.compile the value checks would be data-dependent branches (graph breaks);
+    # they already ran eagerly when the batch was packed, and validate=True still forces them.
+    values = validate or (ids.device.type == "cpu" and not torch.compiler.is_compiling())
     if values:
         check_ids(ids, vocab_size)
         check_cu_seqlens(cu_seqlens, ids.numel())
@@ -58,3 +60,25 @@ def init_from_spec(spec: Any, std: float, generator: torch.Generator | None, dty
         return (torch.randn(s.shape, generator=generator) * std).to(dtype)
 
     return tree_map_specs(make, spec)
+
+
+def mix_seed(seed: int, *salt: int) -> int:
+    """A deterministic 63-bit seed for one dropout site, from the step seed and (layer, site)."""
+    h = seed & 0x7FFFFFFFFFFFFFFF
+    for v in salt:
+        h = (h * 0x9E3779B97F4A7C15 + (v + 0x632BE59BD9B4E019)) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+def dropout(x: Tensor, p: float, seed: int | None, *salt: int) -> Tensor:
+    """Inverted dropout with a mask drawn from its own generator seeded by `mix_seed(seed, *salt)`.
+
+    Identity when `seed` is None or p == 0. Pure: the same (seed, salt) gives the same mask, which
+    is what makes activation checkpointing and reruns reproducible.
+    """
+    if seed is None or p == 0.0:
+        return x
+    g = torch.Generator(device=x.device)
+    g.manual_seed(mix_seed(seed, *salt))
+    keep = torch.rand(x.shape, generator=g, device=x.device) >= p
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

@@ -18,9 +18,11 @@ from torch import Tensor
 from packedenc.errors import ConfigError
 from packedenc.kernels import Ops, get_ops
 from packedenc.kernels.reference import check_activation
-from packedenc.models.common import prepare_inputs
+import torch.utils.checkpoint
+
+from packedenc.models.common import dropout, mix_seed, prepare_inputs
 from packedenc.packing import pool_first, pool_mean
-from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static
+from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static, tree_cast
 
 MODEL_TYPES = ("modernbert",)
 
@@ -53,6 +55,9 @@ class ModernBertConfig:
     classifier_bias: bool = False
     classifier_activation: str = "gelu"
     tie_word_embeddings: bool = True
+    embedding_dropout: float = 0.0  # training only (with `dropout_seed`)
+    attention_dropout: float = 0.0
+    mlp_dropout: float = 0.0
     id2label: tuple[tuple[int, str], ...] = ()  # classifier label names, kept for round trips
     architectures: tuple[str, ...] = ()
 
@@ -243,26 +248,47 @@ def params_spec(cfg: ModernBertConfig, *, heads: tuple[str, ...] = ()) -> Modern
 
 
 # ---- forward ----------------------------------------------------------------------------------
+#
+# The residual stream is carried as (delta, residual): each block returns its output `delta`
+# un-added, and the next norm adds it with `ops.add_layer_norm`, which rounds the sum to the
+# activation dtype before the statistics (exactly HF's `x = x + f(x)` then `norm(x)`) and returns
+# that rounded sum as the new residual. One fused kernel then replaces an add and a norm.
 
 
-def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, positions_T: Tensor,
-          i: int, cfg: ModernBertConfig, ops: Ops) -> Tensor:
-    """One pre-norm ModernBERT layer over a padding-free buffer. Pure: returns a new tensor."""
-    T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
+def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+          positions_T: Tensor, i: int, cfg: ModernBertConfig, ops: Ops,
+          seed: int | None = None) -> tuple[Tensor, Tensor]:
+    """One pre-norm ModernBERT layer. Returns (mlp output not yet added, residual before it)."""
+    T, H, K = residual_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
+    eps = cfg.norm_eps
     is_global = cfg.is_global_layer(i)
     window = (-1, -1) if is_global else (cfg.local_attention // 2,) * 2  # local: |q-k| <= 64
     theta = cfg.global_rope_theta if is_global else cfg.local_rope_theta
 
-    h_TD = x_TD if p.attn_norm is None else ops.layer_norm(x_TD, p.attn_norm.weight, p.attn_norm.bias, cfg.norm_eps)
+    if p.attn_norm is None:  # layer 0: the embedding norm already normalised (HF: nn.Identity)
+        h_TD = residual_TD
+    else:
+        h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
     q_THK, k_THK = ops.rotary(qkv_T3HK, positions_T, theta)  # positions restart per sequence
-    o_THK = ops.varlen_attention(q_THK, k_THK, qkv_T3HK[:, 2], cu_seqlens, max_seqlen, window=window)
-    x_TD = x_TD + ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
+    attn_drop = {} if seed is None or cfg.attention_dropout == 0 else _attention_dropout(cfg, ops, seed, i)
+    o_THK = ops.varlen_attention(q_THK, k_THK, qkv_T3HK[:, 2], cu_seqlens, max_seqlen, window=window, **attn_drop)
+    a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
+    a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 
-    h_TD = ops.layer_norm(x_TD, p.mlp_norm.weight, p.mlp_norm.bias, cfg.norm_eps)
+    h_TD, residual_TD = ops.add_layer_norm(a_TD, residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps)
     u_T2F = ops.linear(h_TD, p.mlp.wi.weight, p.mlp.wi.bias)  # (T, 2F): input half | gate half
-    g_TF = ops.glu(u_T2F, cfg.hidden_activation)
-    return x_TD + ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias)
+    g_TF = dropout(ops.glu(u_T2F, cfg.hidden_activation), cfg.mlp_dropout, seed, i, 2)
+    return ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias), residual_TD
+
+
+def _attention_dropout(cfg: ModernBertConfig, ops: Ops, seed: int, i: int) -> dict[str, Any]:
+    if dict(ops.chosen)["varlen_attention"] != "reference":
+        raise ConfigError(
+            f"attention_dropout={cfg.attention_dropout} in training needs backend='reference' for attention "
+            "(the flash varlen kernels take no dropout here); or set attention_dropout to 0"
+        )
+    return {"dropout_p": cfg.attention_dropout, "dropout_seed": mix_seed(seed, i, 0)}
 
 
 def encode(
@@ -274,6 +300,9 @@ def encode(
     *,
     backend: str | Ops = "auto",
     validate: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    dropout_seed: int | None = None,
+    checkpoint: bool = False,
 ) -> Tensor:
     """Last hidden state of every packed token (after `final_norm`).
 
@@ -285,19 +314,34 @@ def encode(
         positions: (T,) position inside each sequence; derived from cu_seqlens when None.
         backend: "auto", "reference", "triton", "flash", "cute", or an `Ops` table.
         validate: check values of ids / cu_seqlens even when they live on a GPU (syncs).
+        compute_dtype: run in this dtype (e.g. bf16) while params stay in theirs (e.g. fp32 master
+            weights); gradients flow back to the original leaves.
+        dropout_seed: None = no dropout (inference). An int turns on the config's embedding /
+            attention / MLP dropout with masks derived from (seed, layer, site): a step is
+            reproducible, and recomputation under `checkpoint` draws the same masks.
+        checkpoint: recompute each layer in the backward pass instead of keeping its activations
+            (torch.autograd only: torch.func does not support checkpoint's saved-tensor hooks).
     Return:
-        (T, D) in the params' dtype.
+        (T, D) in the compute dtype.
     """
     cfg = params.config
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
         ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate
     )
+    if compute_dtype is not None:
+        params = tree_cast(params, compute_dtype)
     ops = get_ops(backend, ids.device)
     emb, norm = params.embeddings, params.embeddings.norm
     x_TD = ops.embed_layer_norm(ids, emb.tok_embeddings.weight, norm.weight, norm.bias, cfg.norm_eps)
+    delta_TD, residual_TD = None, dropout(x_TD, cfg.embedding_dropout, dropout_seed, -1, 0)
     for i, p in enumerate(params.layers):
-        x_TD = layer(p, x_TD, cu_seqlens, max_seqlen, positions, i, cfg, ops)
-    return ops.layer_norm(x_TD, params.final_norm.weight, params.final_norm.bias, cfg.norm_eps)
+        args = (p, delta_TD, residual_TD, cu_seqlens, max_seqlen, positions, i, cfg, ops, dropout_seed)
+        if checkpoint and torch.is_grad_enabled():
+            delta_TD, residual_TD = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+        else:
+            delta_TD, residual_TD = layer(*args)
+    f = params.final_norm
+    return ops.add_layer_norm(delta_TD, residual_TD, f.weight, f.bias, cfg.norm_eps)[0]
 
 
 # ---- heads (pure functions of the same params) -------------------------------------------------
