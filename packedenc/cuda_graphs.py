@@ -1,0 +1,379 @@
+"""Opt-in CUDA-graph replay of a packed encode, for bounded token budgets (short-query traffic).
+
+    g = graphed(params, max_tokens=8192, max_seqs=256)          # nothing is captured yet
+    hidden_TD = g(batch.ids, batch.cu_seqlens, batch.max_seqlen)  # = pe.encode(...), within bf16 noise
+
+A batch of T tokens in S sequences is mapped to a bucket (T_b, S_b, L_b): S_b >= S from the
+sequence buckets, T_b >= T + (S_b + 1 - S) from the token buckets, L_b a power of two >= every
+length. The batch is copied into static buffers of that bucket: the real sequences first, then the
+token tail [T, T_b) split into S_b + 1 - S dummy sequences of at least one token each, *outside*
+the real cu_seqlens. Every op (GEMMs, norms, varlen attention) therefore sees a valid varlen batch
+and no real token attends to a dummy. One graph per bucket is captured on first use (after an eager
+warm-up, which also runs Triton autotuning outside the capture), kept in an LRU, and replayed;
+`out[:T].clone()` is returned.
+
+The replay path does not synchronise with the host: the bucket is a function of the tensors'
+shapes and the host int `max_seqlen` (pass it: leaving it None costs one sync), and the padding is
+written by a handful of small device kernels. Inputs already on the graph's device avoid the
+synchronous copy that a pageable CPU tensor would need.
+
+Params are captured by reference: the graphs read the very tensors the params tree held at capture
+time. Updating them in place (`p.copy_(...)`) is seen by later replays; a *new* params tree (a
+reload, `tree_cast`, `tree_to`) needs a new graphed object. Replays are inference only (no
+autograd) and must not run concurrently on two streams: all graphs of one object share a memory
+pool, so intermediates of one bucket may reuse memory of another.
+
+Shapes: T real tokens, S real sequences, T_b / S_b / L_b the bucket's tokens, sequences and
+longest sequence, D hidden.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from packedenc.errors import ConfigError, InputError
+from packedenc.packing import check_cu_seqlens, check_ids
+
+__all__ = ["graphed", "GraphedEncode", "Bucket", "plan_bucket", "pad_batch", "fill_padded",
+           "default_token_buckets", "default_seq_buckets"]
+
+EncodeFn = Callable[[Tensor, Tensor, int, "Tensor | None"], Tensor]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    """The static shape of one captured graph.
+
+    Fields:
+        tokens: T_b, rows of the padded token buffer.
+        seqs: S_b, real-sequence slots; cu_seqlens has S_b + 2 entries (one more dummy slot, so
+            the token tail always has a sequence to live in).
+        max_seqlen: L_b, the host int the graph passes as `max_seqlen` (>= every real and dummy length).
+        positions: whether the caller's `positions` are copied in (else the encode derives them).
+    """
+
+    tokens: int
+    seqs: int
+    max_seqlen: int
+    positions: bool = False
+
+
+# ---- buckets and padding (pure host arithmetic + device copies; no GPU needed) ----------------
+
+
+def default_token_buckets(cap: int, granularity: int = 64, steps_per_octave: int = 8) -> tuple[int, ...]:
+    """Multiples of `granularity`, about `steps_per_octave` per doubling (waste <= ~1/8), up to >= cap."""
+    out, b = [], granularity
+    while True:
+        out.append(b)
+        if b >= cap:
+            return tuple(out)
+        octave = 1 << (b.bit_length() - 1)  # largest power of two <= b
+        b += max(granularity, (octave // steps_per_octave) // granularity * granularity)
+
+
+def default_seq_buckets(max_seqs: int) -> tuple[int, ...]:
+    """Powers of two below `max_seqs`, then `max_seqs` itself."""
+    out = [1 << i for i in range(max(1, max_seqs).bit_length()) if (1 << i) < max_seqs]
+    return tuple(out + [max_seqs])
+
+
+def _smallest_at_least(buckets: Sequence[int], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def plan_bucket(num_tokens: int, num_seqs: int, max_seqlen: int, *, token_buckets: Sequence[int],
+                seq_buckets: Sequence[int], positions: bool = False) -> Bucket:
+    """The bucket a batch of `num_tokens` tokens in `num_seqs` sequences is padded to.
+
+    Raises InputError when no bucket is large enough (the caller checks the budget first, so this
+    means the bucket lists are too short).
+    """
+    S_b = _smallest_at_least(seq_buckets, num_seqs)
+    if S_b is None:
+        raise InputError(f"{num_seqs} sequences exceed the largest sequence bucket {max(seq_buckets)}")
+    n_dummy = S_b + 1 - num_seqs  # >= 1: the tail slot is always there
+    T_b = _smallest_at_least(token_buckets, num_tokens + n_dummy)  # every dummy gets >= 1 token
+    if T_b is None:
+        raise InputError(
+            f"{num_tokens} tokens + {n_dummy} dummy sequences exceed the largest token bucket {max(token_buckets)}"
+        )
+    longest_dummy = -(-(T_b - num_tokens) // n_dummy)
+    need = max(max_seqlen, longest_dummy, 1)
+    L_b = min(1 << (need - 1).bit_length(), T_b)  # next power of two, never above the buffer
+    return Bucket(T_b, S_b, L_b, positions)
+
+
+def _tail_split(num_tokens: int, num_seqs: int, bucket: Bucket) -> tuple[int, int, int]:
+    """(n_dummy, q, r): the tail's n_dummy sequences, the first r of length q + 1, the rest q."""
+    n_dummy = bucket.seqs + 1 - num_seqs
+    q, r = divmod(bucket.tokens - num_tokens, n_dummy)
+    assert q >= 1, "plan_bucket guarantees at least one token per dummy sequence"
+    return n_dummy, q, r
+
+
+def fill_padded(bucket: Bucket, ids: Tensor, cu_seqlens: Tensor, positions: Tensor | None,
+                ids_buf: Tensor, cu_buf: Tensor, pos_buf: Tensor | None, pad_id: int = 0) -> None:
+    """Write a batch into a bucket's static buffers, with the token tail as dummy sequences.
+
+    Arguments:
+        bucket: from `plan_bucket` for this batch's (T, S, max_seqlen).
+        ids: (T,) int ids. cu_seqlens: (S+1,) int boundaries. positions: (T,) or None.
+        ids_buf: (T_b,) int64. cu_buf: (S_b + 2,) int32. pos_buf: (T_b,) int64 when
+            `bucket.positions`, else None. Written in place with device ops only (no host sync).
+        pad_id: token id of the dummy tokens (any id inside the vocabulary).
+    """
+    T, S = ids.numel(), cu_seqlens.numel() - 1
+    n_dummy, q, r = _tail_split(T, S, bucket)
+    ids_buf[:T].copy_(ids)
+    ids_buf[T:].fill_(pad_id)
+    cu_buf[: S + 1].copy_(cu_seqlens)
+    # boundary j (1..n_dummy) of the tail: T + j*q + min(j, r), from host ints only
+    j = torch.arange(1, n_dummy + 1, device=cu_buf.device, dtype=torch.int32)
+    cu_buf[S + 1:].copy_(j * q + j.clamp(max=r) + T)
+    if pos_buf is None:
+        return
+    assert positions is not None
+    pos_buf[:T].copy_(positions)
+    # position of tail token t: t mod (q + 1) inside the first r dummies, then (t - r(q+1)) mod q
+    t = torch.arange(bucket.tokens - T, device=pos_buf.device, dtype=torch.int64)
+    head = r * (q + 1)
+    pos_buf[T:].copy_(torch.where(t < head, t % (q + 1), (t - head) % q))
+
+
+def pad_batch(ids: Tensor, cu_seqlens: Tensor, bucket: Bucket, positions: Tensor | None = None,
+              pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Allocating `fill_padded`: (ids (T_b,), cu_seqlens (S_b + 2,), positions (T_b,) or None)."""
+    dev = ids.device
+    ids_buf = torch.empty(bucket.tokens, dtype=torch.int64, device=dev)
+    cu_buf = torch.empty(bucket.seqs + 2, dtype=torch.int32, device=dev)
+    pos_buf = torch.empty(bucket.tokens, dtype=torch.int64, device=dev) if bucket.positions else None
+    fill_padded(bucket, ids, cu_seqlens, positions, ids_buf, cu_buf, pos_buf, pad_id)
+    return ids_buf, cu_buf, pos_buf
+
+
+# ---- the graphed encode -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Entry:
+    ids: Tensor
+    cu: Tensor
+    pos: Tensor | None
+    graph: Any = None  # torch.cuda.CUDAGraph, None when capture=False
+    out: Tensor | None = None  # the graph's static output
+
+
+class GraphedEncode:
+    """A packed encode replayed from per-bucket CUDA graphs. Build it with `graphed(...)`."""
+
+    def __init__(self, fn: EncodeFn, *, device: torch.device, max_tokens: int, max_seqs: int,
+                 token_buckets: Sequence[int] | None = None, seq_buckets: Sequence[int] | None = None,
+                 max_graphs: int = 32, warmup: int = 2, pad_id: int = 0, capture: bool = True,
+                 vocab_size: int | None = None) -> None:
+        for name, v in (("max_tokens", max_tokens), ("max_seqs", max_seqs), ("max_graphs", max_graphs)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if capture and device.type != "cuda":
+            raise ConfigError(
+                f"CUDA graphs need a CUDA device, got {device}; use capture=False to run the same "
+                "bucketed padding eagerly (for tests), or plain packedenc.encode"
+            )
+        self.fn, self.device, self.capture = fn, device, capture
+        self.max_tokens, self.max_seqs, self.max_graphs = max_tokens, max_seqs, max_graphs
+        self.warmup, self.pad_id, self.vocab_size = warmup, pad_id, vocab_size
+        self.seq_buckets = _checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
+        if self.seq_buckets[-1] < max_seqs:
+            self.seq_buckets += (max_seqs,)
+        # the tail needs up to S_b + 1 - S extra tokens on top of max_tokens
+        cap = max_tokens + self.seq_buckets[-1]
+        self.token_buckets = _checked_buckets("token_buckets", token_buckets or default_token_buckets(cap))
+        if self.token_buckets[-1] < cap:
+            self.token_buckets += (cap,)
+        self._entries: collections.OrderedDict[Bucket, _Entry] = collections.OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """Buckets held now (captured graphs when capture=True), least recently used first."""
+        return tuple(self._entries)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._entries)
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a batch of this size is within the budget (else `__call__` raises)."""
+        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, max_seqlen: int, positions: bool = False) -> Bucket:
+        return plan_bucket(num_tokens, num_seqs, max_seqlen, token_buckets=self.token_buckets,
+                           seq_buckets=self.seq_buckets, positions=positions)
+
+    def clear(self) -> None:
+        """Drop every captured graph and its buffers."""
+        self._entries.clear()
+
+    # -- the call -----------------------------------------------------------------------------
+
+    def __call__(self, ids: Tensor, cu_seqlens: Tensor, max_seqlen: int | None = None,
+                 positions: Tensor | None = None, *, validate: bool = False) -> Tensor:
+        """Encode one packed batch through the graph of its bucket.
+
+        Arguments:
+            ids: (T,) int token ids; cu_seqlens: (S+1,) int boundaries (as for `packedenc.encode`).
+            max_seqlen: host int, the longest sequence; None costs one host sync.
+            positions: (T,) positions, or None to let the encode derive them from cu_seqlens.
+            validate: check values of ids / cu_seqlens (syncs once), as `encode(validate=True)`.
+        Return:
+            (T, ...) the encode's output for the real tokens (a fresh tensor, not a view of a buffer).
+        """
+        check_ids(ids, values=False)
+        check_cu_seqlens(cu_seqlens, values=False)
+        T, S = ids.numel(), cu_seqlens.numel() - 1
+        if not self.fits(T, S):
+            raise InputError(
+                f"batch of {T} tokens in {S} sequences exceeds this graphed encode's budget "
+                f"(max_tokens={self.max_tokens}, max_seqs={self.max_seqs}); split it with "
+                "packedenc.token_budget_batches(lengths, max_tokens, max_seqs), build a graphed "
+                "encode with a larger budget, or call packedenc.encode for big batches"
+            )
+        if positions is not None and positions.shape != ids.shape:
+            raise InputError(f"positions shape {tuple(positions.shape)} must equal ids shape {tuple(ids.shape)}")
+        if validate or max_seqlen is None:
+            true_max = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # the one sync
+            if validate:
+                check_cu_seqlens(cu_seqlens, T)
+                check_ids(ids, self.vocab_size)
+                if max_seqlen is not None and max_seqlen < true_max:
+                    raise InputError(f"max_seqlen={max_seqlen} is smaller than the longest sequence ({true_max})")
+            max_seqlen = true_max if max_seqlen is None else max_seqlen
+        bucket = self.bucket_for(T, S, int(max_seqlen), positions is not None)
+        # Buffers are ordinary tensors even when the caller is in inference mode, so a later
+        # call outside it can still write them; grad is off because replays are inference only.
+        with torch.inference_mode(False), torch.no_grad():
+            entry = self._entries.get(bucket)
+            if entry is None:
+                entry = self._new_entry(bucket)
+                fill_padded(bucket, ids, cu_seqlens, positions, entry.ids, entry.cu, entry.pos, self.pad_id)
+                if self.capture:
+                    self._capture(bucket, entry)
+                self._entries[bucket] = entry
+                while len(self._entries) > self.max_graphs:
+                    self._entries.popitem(last=False)
+            else:
+                self._entries.move_to_end(bucket)
+                fill_padded(bucket, ids, cu_seqlens, positions, entry.ids, entry.cu, entry.pos, self.pad_id)
+            if not self.capture:
+                return self._run(bucket, entry)[:T].clone()
+            entry.graph.replay()
+            return entry.out[:T].clone()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _new_entry(self, bucket: Bucket) -> _Entry:
+        dev = self.device
+        pos = torch.zeros(bucket.tokens, dtype=torch.int64, device=dev) if bucket.positions else None
+        return _Entry(
+            ids=torch.zeros(bucket.tokens, dtype=torch.int64, device=dev),
+            cu=torch.zeros(bucket.seqs + 2, dtype=torch.int32, device=dev),
+            pos=pos,
+        )
+
+    def _run(self, bucket: Bucket, entry: _Entry) -> Tensor:
+        out = self.fn(entry.ids, entry.cu, bucket.max_seqlen, entry.pos)
+        if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[0] != bucket.tokens:
+            got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise TypeError(
+                f"the graphed function must return one tensor with a row per packed token "
+                f"({bucket.tokens} rows here), got {got}"
+            )
+        return out
+
+    def _capture(self, bucket: Bucket, entry: _Entry) -> None:
+        # Eager warm-up on a side stream (as torch's docs do): lazy initialisation, cuBLAS
+        # workspaces and Triton autotuning for these shapes must not happen inside the capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(max(1, self.warmup)):
+                self._run(bucket, entry)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._run(bucket, entry)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"capturing the encode for {bucket} failed: {e}. Some op in the forward synchronises "
+                "with the host or is not capturable; use packedenc.encode without graphs and report it"
+            ) from e
+        entry.graph, entry.out = graph, out
+
+
+def _checked_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(buckets)
+    if not out or any(not isinstance(b, int) or b < 1 for b in out) or list(out) != sorted(set(out)):
+        raise ConfigError(f"{name} must be strictly increasing positive ints, got {list(out)}")
+    return out
+
+
+def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto",
+            device: torch.device | str | None = None, token_buckets: Sequence[int] | None = None,
+            seq_buckets: Sequence[int] | None = None, max_graphs: int = 32, warmup: int = 2,
+            pad_id: int = 0, capture: bool = True) -> GraphedEncode:
+    """An opt-in CUDA-graphed encode for batches of at most `max_tokens` tokens in `max_seqs` sequences.
+
+    Arguments:
+        target: a params tree (any family: the graphs replay `packedenc.encode(params, ids,
+            cu_seqlens, max_seqlen, positions, backend=backend)`), or a callable
+            `fn(ids, cu_seqlens, max_seqlen, positions) -> (T, ...)`, e.g.
+            `functools.partial(my_family.encode, params)`. Params are captured by reference:
+            a new params tree needs a new graphed object.
+        max_tokens, max_seqs: the budget; a bigger batch raises InputError.
+        backend: op backend for a params target (ignored for callables: bind it yourself).
+        device: where the graphs live; default the params' device (or the current CUDA device).
+        token_buckets, seq_buckets: increasing ints; default ~8 token buckets per doubling from
+            64 and powers of two for sequences. More buckets waste less padding, capture more graphs.
+        max_graphs: LRU size; warmup: eager runs before each capture.
+        pad_id: token id of the padding tokens (must be inside the vocabulary).
+        capture: False runs the same bucketed, padded buffers eagerly (CPU tests, debugging).
+    Return:
+        a `GraphedEncode`; call it like `encode(ids, cu_seqlens, max_seqlen, positions)`.
+    """
+    vocab_size = None
+    if callable(target):
+        if backend != "auto":
+            raise ConfigError("backend= applies to a params target; bind it inside your function instead")
+        fn = target
+    else:
+        from packedenc.models import family_of
+
+        family = family_of(target)  # a ConfigError naming the type when it is not a params tree
+        params = target
+        fn = lambda ids, cu, L, pos: family.encode(params, ids, cu, L, pos, backend=backend)  # noqa: E731
+        vocab_size = getattr(getattr(target, "config", None), "vocab_size", None)
+        if device is None:
+            leaf = next((t for t in torch.utils._pytree.tree_leaves(target) if isinstance(t, Tensor)), None)
+            device = None if leaf is None else leaf.device
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if capture else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if vocab_size is not None and not 0 <= pad_id < vocab_size:
+        raise ConfigError(f"pad_id {pad_id} is outside the vocabulary [0, {vocab_size})")
+    return GraphedEncode(fn, device=device, max_tokens=max_tokens, max_seqs=max_seqs,
+                         token_buckets=token_buckets, seq_buckets=seq_buckets, max_graphs=max_graphs,
+                         warmup=warmup, pad_id=pad_id, capture=capture, vocab_size=vocab_size)
