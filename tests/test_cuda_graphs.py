@@ -1,0 +1,280 @@
+"""CUDA-graphed encode (issue 3, item 3).
+
+CPU: the bucket plan and the padded layout (the dummy tail sequences are valid varlen input and
+never touch a real token), the LRU, the budget and config errors, and the same padded path run
+eagerly (`capture=False`) against plain `encode`. GPU (`gpu` marker): graph replay against eager
+encode on the same padded buffers (bitwise) and on the real batch (bf16 noise), bucket reuse,
+eviction and recapture.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import packedenc as pe
+from packedenc.cuda_graphs import (
+    Bucket,
+    default_seq_buckets,
+    default_token_buckets,
+    graphed,
+    pad_batch,
+    plan_bucket,
+)
+from packedenc.models import modernbert
+from packedenc.packing import check_cu_seqlens, positions_from_cu_seqlens
+
+CFG = modernbert.ModernBertConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                                  num_attention_heads=2, local_attention=4)
+PARAMS = pe.init(CFG, torch.Generator().manual_seed(0))
+
+
+def ragged(lengths, vocab=50, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return pe.pack([torch.randint(1, vocab, (n,), generator=g) for n in lengths], device=device)
+
+
+# ---- buckets and padding ------------------------------------------------------------------------
+
+
+def test_default_token_buckets_are_aligned_increasing_and_waste_little():
+    b = default_token_buckets(70_000)
+    assert b[0] == 64 and b[-1] >= 70_000 and b[-2] < 70_000
+    assert all(x % 64 == 0 for x in b) and all(x < y for x, y in zip(b, b[1:]))
+    # past 512 tokens a batch is padded by at most 1/8 of its size
+    assert max(y / x for x, y in zip(b, b[1:]) if x >= 512) <= 1.125
+
+
+def test_default_seq_buckets():
+    assert default_seq_buckets(128) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert default_seq_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert default_seq_buckets(1) == (1,)
+
+
+@pytest.mark.parametrize("T, S, L", [
+    (1, 1, 1),          # smallest batch
+    (3500, 128, 128),   # query traffic: S equals its bucket, one dummy slot
+    (3500, 65, 128),    # S just past a power of two: 64 dummy slots need 64 tokens
+    (200, 100, 2),      # many short sequences: dummies longer than any real one
+    (8192, 256, 4096),  # the budget's corner
+])
+def test_plan_bucket_invariants(T, S, L):
+    tb, sb = default_token_buckets(8192 + 256), default_seq_buckets(256)
+    b = plan_bucket(T, S, L, token_buckets=tb, seq_buckets=sb)
+    n_dummy = b.seqs + 1 - S
+    assert b.seqs == min(x for x in sb if x >= S)
+    assert b.tokens == min(x for x in tb if x >= T + n_dummy)  # each dummy gets >= 1 token
+    assert b.max_seqlen >= max(L, -(-(b.tokens - T) // n_dummy)) and b.max_seqlen <= b.tokens
+    assert b.max_seqlen & (b.max_seqlen - 1) == 0 or b.max_seqlen == b.tokens
+
+
+@pytest.mark.parametrize("lengths", [[1], [3, 1, 7], [5] * 8, [1, 40, 2, 17, 9, 64, 3]])
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_pad_batch_layout(lengths, with_positions):
+    batch = ragged(lengths)
+    T, S = batch.num_tokens, batch.num_seqs
+    b = plan_bucket(T, S, batch.max_seqlen, token_buckets=(64, 128, 256), seq_buckets=(1, 4, 8, 16),
+                    positions=with_positions)
+    ids, cu, pos = pad_batch(batch.ids, batch.cu_seqlens, b, batch.positions if with_positions else None, pad_id=7)
+    assert ids.shape == (b.tokens,) and cu.shape == (b.seqs + 2,) and cu.dtype == torch.int32
+    check_cu_seqlens(cu, b.tokens)  # valid varlen input: starts at 0, no empty sequence, ends at T_b
+    assert torch.equal(cu[: S + 1], batch.cu_seqlens)  # real boundaries untouched
+    assert torch.equal(ids[:T], batch.ids) and bool((ids[T:] == 7).all())
+    assert int((cu[1:] - cu[:-1]).max()) <= b.max_seqlen
+    if with_positions:
+        assert torch.equal(pos, positions_from_cu_seqlens(cu, b.tokens))
+    else:
+        assert pos is None
+
+
+# ---- the padded path run eagerly (CPU) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("lengths", [
+    [1],                            # one token
+    [3, 1, 7, 12],                  # S = 4 fills its bucket exactly: one dummy slot
+    [9, 2, 30, 1, 5],               # S = 5 -> bucket 8: four dummy slots
+    [4] * 16,                       # S at the budget
+    [1, 1, 1, 60, 60, 60, 20, 40],  # near the token budget
+])
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_padded_path_matches_encode(lengths, with_positions):
+    batch = ragged(lengths)
+    g = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False)
+    pos = batch.positions if with_positions else None
+    out = g(batch.ids, batch.cu_seqlens, batch.max_seqlen, pos)
+    ref = pe.encode(PARAMS, batch.ids, batch.cu_seqlens, batch.max_seqlen)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dummy_tokens_do_not_leak_into_real_ones():
+    batch = ragged([9, 2, 30, 1, 5])
+    a = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False, pad_id=0)
+    b = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False, pad_id=33)
+    # same bucket, same shapes: only the dummy ids differ, so real rows must be bitwise equal
+    assert torch.equal(a(batch.ids, batch.cu_seqlens, batch.max_seqlen), b(batch.ids, batch.cu_seqlens, batch.max_seqlen))
+
+
+def test_bucket_reuse_refreshes_buffers():
+    g = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False)
+    x, y = ragged([5, 9, 3], seed=1), ragged([2, 11, 6], seed=2)  # same (T, S): same bucket
+    ox = g(x.ids, x.cu_seqlens, x.max_seqlen)
+    oy = g(y.ids, y.cu_seqlens, y.max_seqlen)
+    assert g.num_graphs == 1
+    torch.testing.assert_close(oy, pe.encode(PARAMS, y.ids, y.cu_seqlens), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ox, pe.encode(PARAMS, x.ids, x.cu_seqlens), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ox[:3], oy[:3])  # the second call did not replay stale inputs
+
+
+def test_lru_eviction():
+    g = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False, max_graphs=2)
+    small, mid, big = ragged([3]), ragged([3, 4, 5]), ragged([60, 60, 60])
+    for b in (small, mid, small, big):
+        g(b.ids, b.cu_seqlens, b.max_seqlen)
+    key = lambda b: g.bucket_for(b.num_tokens, b.num_seqs, b.max_seqlen)  # noqa: E731
+    assert g.buckets == (key(small), key(big))  # `mid` was least recently used
+
+
+def test_max_seqlen_none_and_validate():
+    batch = ragged([3, 8, 2])
+    g = graphed(PARAMS, max_tokens=64, max_seqs=8, capture=False)
+    torch.testing.assert_close(g(batch.ids, batch.cu_seqlens), pe.encode(PARAMS, batch.ids, batch.cu_seqlens),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(pe.InputError, match="max_seqlen=4 is smaller"):
+        g(batch.ids, batch.cu_seqlens, 4, validate=True)
+    with pytest.raises(pe.InputError, match="outside the vocabulary"):
+        g(torch.tensor([1, 2, 99]), torch.tensor([0, 3], dtype=torch.int32), 3, validate=True)
+
+
+def test_callable_target():
+    calls = []
+
+    def fn(ids, cu, max_seqlen, positions):
+        calls.append((ids.numel(), cu.numel(), max_seqlen))
+        return pe.encode(PARAMS, ids, cu, max_seqlen, positions, backend="reference")
+
+    g = graphed(fn, max_tokens=64, max_seqs=8, capture=False)
+    batch = ragged([3, 8, 2])
+    out = g(batch.ids, batch.cu_seqlens, batch.max_seqlen)
+    b = g.buckets[0]
+    assert calls == [(b.tokens, b.seqs + 2, b.max_seqlen)]
+    torch.testing.assert_close(out, pe.encode(PARAMS, batch.ids, batch.cu_seqlens), rtol=1e-5, atol=1e-5)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lengths, match", [
+    ([40, 40], "80 tokens in 2 sequences exceeds"),
+    ([1] * 9, "9 sequences exceeds"),
+])
+def test_budget_errors(lengths, match):
+    g = graphed(PARAMS, max_tokens=64, max_seqs=8, capture=False)
+    batch = ragged(lengths)
+    with pytest.raises(pe.InputError, match=match) as e:
+        g(batch.ids, batch.cu_seqlens, batch.max_seqlen)
+    assert "token_budget_batches" in str(e.value)
+    assert not g.fits(batch.num_tokens, batch.num_seqs)
+
+
+def test_input_errors():
+    g = graphed(PARAMS, max_tokens=64, max_seqs=8, capture=False)
+    with pytest.raises(pe.InputError, match="1-D"):
+        g(torch.ones(2, 3, dtype=torch.long), torch.tensor([0, 6], dtype=torch.int32))
+    with pytest.raises(pe.InputError, match="positions shape"):
+        g(torch.ones(3, dtype=torch.long), torch.tensor([0, 3], dtype=torch.int32), 3, torch.zeros(2))
+
+
+def test_config_errors():
+    with pytest.raises(pe.ConfigError, match="CUDA graphs need a CUDA device"):
+        graphed(PARAMS, max_tokens=64, max_seqs=8, device="cpu")
+    with pytest.raises(pe.ConfigError, match="max_tokens must be a positive int"):
+        graphed(PARAMS, max_tokens=0, max_seqs=8, capture=False)
+    with pytest.raises(pe.ConfigError, match="strictly increasing"):
+        graphed(PARAMS, max_tokens=64, max_seqs=8, token_buckets=(128, 64), capture=False)
+    with pytest.raises(pe.ConfigError, match="not a packedenc params tree"):
+        graphed({"w": torch.ones(2)}, max_tokens=64, max_seqs=8, capture=False)
+    with pytest.raises(pe.ConfigError, match="backend= applies to a params target"):
+        graphed(lambda *a: None, max_tokens=64, max_seqs=8, backend="reference", capture=False)
+    with pytest.raises(pe.ConfigError, match="pad_id 50 is outside"):
+        graphed(PARAMS, max_tokens=64, max_seqs=8, pad_id=50, capture=False)
+
+
+def test_wrong_output_is_a_type_error():
+    g = graphed(lambda ids, cu, L, pos: ids[:1].float(), max_tokens=64, max_seqs=8, capture=False)
+    with pytest.raises(TypeError, match="one tensor with a row per packed token"):
+        g(torch.ones(3, dtype=torch.long), torch.tensor([0, 3], dtype=torch.int32), 3)
+
+
+def test_user_buckets_are_extended_to_cover_the_budget():
+    g = graphed(PARAMS, max_tokens=100, max_seqs=8, token_buckets=(32, 64), seq_buckets=(2,), capture=False)
+    assert g.seq_buckets == (2, 8) and g.token_buckets == (32, 64, 108)
+    batch = ragged([50, 50])
+    assert g(batch.ids, batch.cu_seqlens, 50).shape == (100, CFG.hidden_size)
+    assert g.buckets == (Bucket(108, 2, 64, False),)
+
+
+# ---- GPU: real graphs ---------------------------------------------------------------------------
+
+# head_dim 64 and a 128-token window like ModernBERT-base; 4 layers (global, local, local, global)
+GPU_CFG = modernbert.ModernBertConfig(vocab_size=1000, hidden_size=256, intermediate_size=384,
+                                      num_hidden_layers=4, num_attention_heads=4)
+GPU_LENGTHS = [
+    [1],                                        # one token
+    [1, 63, 64, 65, 128, 129, 130],             # window edges
+    [24] * 128,                                 # a query batch that fills its sequence bucket
+    [int(x) for x in torch.randint(4, 129, (100,), generator=torch.Generator().manual_seed(3))],
+    [2047, 1, 300],                             # long sequence, dummy tail after it
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_params():
+    return pe.tree_to(pe.init(GPU_CFG, torch.Generator().manual_seed(0), dtype=torch.bfloat16), "cuda")
+
+
+def _cosine_rows(a, b):
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_gpu_replay_matches_eager(backend):
+    params = _gpu_params()
+    g = graphed(params, max_tokens=4096, max_seqs=256, backend=backend)
+    for i, lengths in enumerate(GPU_LENGTHS):
+        batch = ragged(lengths, vocab=GPU_CFG.vocab_size, seed=i, device="cuda")
+        out = g(batch.ids, batch.cu_seqlens, batch.max_seqlen)
+        # eager on the very same padded buffers: the replay must be bitwise identical
+        b = g.bucket_for(batch.num_tokens, batch.num_seqs, batch.max_seqlen)
+        ids, cu, _ = pad_batch(batch.ids, batch.cu_seqlens, b)
+        padded = pe.encode(params, ids, cu, b.max_seqlen, backend=backend)[: batch.num_tokens]
+        assert torch.equal(out, padded), f"{lengths[:8]}: max diff {(out.float() - padded.float()).abs().max()}"
+        # eager on the real batch: other GEMM shapes, so bf16 noise only
+        eager = pe.encode(params, batch.ids, batch.cu_seqlens, batch.max_seqlen, backend=backend)
+        assert _cosine_rows(out, eager).min() >= 0.999
+        assert (out.float() - eager.float()).abs().max() <= 0.05 * eager.float().abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_bucket_reuse_eviction_and_inference_mode():
+    params = _gpu_params()
+    g = graphed(params, max_tokens=4096, max_seqs=256, max_graphs=1)
+    x = ragged([24] * 128, vocab=GPU_CFG.vocab_size, seed=10, device="cuda")
+    y = ragged([24] * 128, vocab=GPU_CFG.vocab_size, seed=11, device="cuda")  # same bucket, new ids
+    z = ragged([300, 7], vocab=GPU_CFG.vocab_size, seed=12, device="cuda")  # another bucket
+    ref = {k: pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen) for k, b in (("x", x), ("y", y), ("z", z))}
+    ox = g(x.ids, x.cu_seqlens, x.max_seqlen)
+    with torch.inference_mode():  # buffers made outside inference mode still work inside, and back
+        oy = g(y.ids, y.cu_seqlens, y.max_seqlen)
+    assert g.num_graphs == 1
+    oz = g(z.ids, z.cu_seqlens, z.max_seqlen)  # evicts x/y's graph
+    ox2 = g(x.ids, x.cu_seqlens, x.max_seqlen)  # recaptured
+    assert g.num_graphs == 1
+    for out, k in ((ox, "x"), (oy, "y"), (oz, "z"), (ox2, "x")):
+        assert _cosine_rows(out, ref[k]).min() >= 0.999, k
+    assert torch.equal(ox, ox2)
+    with pytest.raises(pe.InputError, match="exceeds this graphed encode's budget"):
+        big = ragged([4000, 200], vocab=GPU_CFG.vocab_size, device="cuda")
+        g(big.ids, big.cu_seqlens, big.max_seqlen)
