@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from packedenc.convert.hf import load, save
+from packedenc.embed import TokenEmbeddings, embed
 from packedenc.errors import CheckpointError, ConfigError, InputError, PackedEncError
 from packedenc.kernels import Ops, get_ops
 from packedenc.models import family_of
@@ -27,6 +28,8 @@ from packedenc.packing import (
     unpack,
 )
 from packedenc.pytree import num_params, tree_cast, tree_to
+from packedenc.sentence_transformers import SentenceModel, load_sentence_transformer
+from packedenc.tokenize import pack_texts, tokenizer
 
 __version__ = "0.1.0"
 
@@ -54,6 +57,12 @@ __all__ = [
     "InputError",
     "ConfigError",
     "CheckpointError",
+    "embed",
+    "TokenEmbeddings",
+    "tokenizer",
+    "pack_texts",
+    "load_sentence_transformer",
+    "SentenceModel",
 ]
 
 

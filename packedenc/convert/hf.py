@@ -72,9 +72,12 @@ class KeyMap:
         return any(path == t or path.startswith(t + ".") for t in self.top_level)
 
 
-def _keymap(family_module: Any) -> tuple[KeyMap, Any]:
+def _keymap(family_module: Any, cfg: Any = None) -> tuple[KeyMap, Any]:
     name = family_module.__name__.rsplit(".", 1)[-1]
     mod = importlib.import_module(f"packedenc.convert.hf_{name}")
+    # A module that serves several model types (BERT / RoBERTa prefixes) picks its map per config.
+    if cfg is not None and hasattr(mod, "keymap_for"):
+        return mod.keymap_for(cfg), mod
     return mod.KEYMAP, mod
 
 
@@ -169,7 +172,7 @@ def from_state_dict(cfg: Any, tensors: dict[str, Tensor] | CheckpointReader, *,
                     dtype: torch.dtype | None = None) -> Any:
     """Build a params tree for config `cfg` from HF-named tensors (a dict or a reader)."""
     family = family_for_model_type(cfg.to_hf()["model_type"])
-    km, kmod = _keymap(family)
+    km, kmod = _keymap(family, cfg)
     keys = tensors.keys() if isinstance(tensors, CheckpointReader) else list(tensors)
     keys = list(keys)
     base, top = _find_prefix(keys, km)
@@ -221,7 +224,7 @@ def from_state_dict(cfg: Any, tensors: dict[str, Tensor] | CheckpointReader, *,
 def to_state_dict(params: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """(HF-named tensors, config.json dict) for a params tree; the inverse of `from_state_dict`."""
     family = family_of(params)
-    km, kmod = _keymap(family)
+    km, kmod = _keymap(family, params.config)
     cfg_dict = params.config.to_hf()
     heads = kmod.heads_of(params)
     base = km.base_prefix if heads else ""

@@ -23,11 +23,15 @@ from packedenc.errors import ConfigError
 # model_type in config.json -> module under packedenc.models
 _FAMILIES: dict[str, str] = {
     "modernbert": "modernbert",
+    "bert": "bert",
+    "roberta": "bert",
+    "xlm-roberta": "bert",
 }
 
 # module name -> name of its params class (for dispatch on a params tree)
 _PARAMS_CLASSES: dict[str, str] = {
     "modernbert": "ModernBertParams",
+    "bert": "BertParams",
 }
 
 

@@ -1,0 +1,263 @@
+"""`embed(model, texts)`: texts in, embeddings out, in the caller's order.
+
+The job: sort the texts by length (longest first, so a memory problem shows up in the first
+batch, not after an hour), tokenize them on a background thread in chunks, cut each chunk into
+padding-free batches of at most `max_tokens` tokens, run the backbone and the
+sentence-transformers module chain on the device, and write each result back at its caller's
+index. Truncation is counted over the whole job and reported in one warning.
+
+Shapes: N texts, T packed tokens, D output width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from packedenc.errors import ConfigError, InputError
+from packedenc.packing import Packed, token_budget_batches
+from packedenc.sentence_transformers import (
+    POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
+)
+from packedenc.tokenize import check_texts, encode_texts, packed_from_ids, warn_truncated
+
+__all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
+
+_CHUNK_TEXTS = 4096  # texts tokenized per background step: big enough for tokenizers' threads
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEmbeddings:
+    """One vector per token (ColBERT models), packed: text i is `values[cu_seqlens[i]:cu_seqlens[i+1]]`.
+
+    Fields:
+        values: (T, D) float32. cu_seqlens: (N+1,) int32, in the caller's order.
+    """
+
+    values: Tensor
+    cu_seqlens: Tensor
+
+    def __len__(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.values[int(self.cu_seqlens[i]):int(self.cu_seqlens[i + 1])]
+
+    def unpack(self) -> list[Tensor]:
+        return list(torch.split(self.values, (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()))
+
+
+def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling: str | None = None,
+          normalize: bool | None = None, progress: bool = True, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None, prompt: str | None = None, query: bool = False,
+          max_length: int | None = None, truncate: bool = True, backend: str = "auto") -> Tensor | TokenEmbeddings:
+    """Embed texts with a sentence-transformers / PyLate / HF model.
+
+    Arguments:
+        model: a model folder or hub id (a sentence-transformers folder, or a bare HF folder which
+            gets mean pooling and no normalization, as `SentenceTransformer(folder)` does), or a
+            `SentenceModel` from `packedenc.load_sentence_transformer`.
+        texts: a list of non-empty strings.
+        max_tokens: token budget per packed batch (the memory knob; no padding is ever added).
+        pooling: override the model's pooling: "cls", "mean", "max", "lasttoken", "weightedmean"
+            or "mean_sqrt_len_tokens". normalize: force L2 normalization on (True) or off (False);
+            None keeps the model's Normalize module.
+        progress: show a tqdm bar (it appears only when the job lasts more than a second).
+        device: where to compute; default CUDA when available for a folder, else the model's device.
+        dtype: cast the weights (e.g. torch.bfloat16 on a GPU). prompt: a prompt name from the
+            model's config_sentence_transformers.json or literal text prepended to every text.
+        query: ColBERT models: encode as queries ([Q] prefix, [MASK] expansion) instead of documents.
+        max_length: tokens per text, special tokens included (default: the model's limit).
+        truncate: cut longer texts (one `TruncationWarning` with the count) or raise `InputError`.
+        backend: kernel backend for the backbone ("auto", "reference", ...).
+    Return:
+        (N, D) float32 CPU tensor, row i for texts[i]; for multi-vector (ColBERT) models a
+        `TokenEmbeddings` holding one vector per kept token.
+    """
+    texts = check_texts(texts)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    model = _as_model(model, device, dtype)
+    modules = _override(model, pooling, normalize)
+    n = len(texts)
+    out: Tensor | None = None
+    per_text: list[Tensor | None] = [None] * n
+    cut_total: list[int] = []
+    limit_used: list[int | None] = [None]
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n, unit="text", desc="embed", disable=not progress, delay=1.0, leave=False)
+    try:
+        with torch.inference_mode():
+            for idx, batch, prompt_length in _batches(model, texts, max_tokens, prompt, query, max_length,
+                                                      truncate, cut_total, limit_used):
+                batch = batch.to(model.device)
+                hidden = _encode(model, batch, backend)
+                f = run_modules(modules, hidden, batch, prompt_length=prompt_length)
+                if "sentence_embedding" in f and not model.multi_vector:
+                    emb = f["sentence_embedding"].float().cpu()
+                    if out is None:
+                        out = torch.empty(n, emb.shape[1], dtype=torch.float32)
+                    out[torch.as_tensor(idx)] = emb
+                else:
+                    cu = f["cu_seqlens"].cpu().tolist()
+                    vals = f["token_embeddings"].float().cpu()
+                    for j, i in enumerate(idx):
+                        per_text[i] = vals[cu[j]:cu[j + 1]]
+                bar.update(len(idx))
+    finally:
+        bar.close()
+    if cut_total:
+        warn_truncated(len(cut_total), n, limit_used[0], min(cut_total))
+    if out is not None:
+        return out
+    lengths = torch.tensor([0] + [t.shape[0] for t in per_text])
+    return TokenEmbeddings(torch.cat(per_text), torch.cumsum(lengths, 0).to(torch.int32))
+
+
+def _encode(model: SentenceModel, batch: Packed, backend: str) -> Tensor:
+    from packedenc import encode
+
+    return encode(model.params, batch.ids, batch.cu_seqlens, batch.max_seqlen, batch.positions, backend=backend)
+
+
+def _as_model(model: Any, device: torch.device | str | None, dtype: torch.dtype | None) -> SentenceModel:
+    if isinstance(model, (str, os.PathLike)):
+        dev = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        return load_sentence_transformer(model, device=dev, dtype=dtype)
+    if isinstance(model, SentenceModel):
+        if device is not None and torch.device(device) != model.device:
+            model = model.to(device)
+        return model if dtype is None else model.to(dtype=dtype)
+    raise TypeError(
+        f"embed() needs a model folder, a hub id or a SentenceModel, got {type(model).__name__}; a params "
+        "tree has no tokenizer: use packedenc.load_sentence_transformer(folder) or pass the folder"
+    )
+
+
+def _override(model: SentenceModel, pooling: str | None, normalize: bool | None) -> tuple[Any, ...]:
+    """The model's module chain with the caller's pooling / normalize choices applied."""
+    modules = list(model.modules)
+    out_name = "token_embeddings" if model.multi_vector else "sentence_embedding"
+    if pooling is not None:
+        mode = _MODE_ALIASES.get(pooling, pooling)
+        if mode not in POOLING_MODES:
+            raise InputError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
+        if model.multi_vector:
+            raise ConfigError("this is a multi-vector (ColBERT) model: it returns token embeddings and has no pooling")
+        i = next(i for i, m in enumerate(modules) if isinstance(m, Pooling))
+        modules[i] = dataclasses.replace(modules[i], modes=(mode,))
+    if normalize is False:
+        modules = [m for m in modules if not (isinstance(m, Normalize) and m.output_name == out_name)]
+    elif normalize and not (modules and isinstance(modules[-1], Normalize) and modules[-1].output_name == out_name):
+        modules.append(Normalize(out_name, out_name))
+    return tuple(modules)
+
+
+def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: str | None, query: bool,
+             max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None]
+             ) -> Iterator[tuple[list[int], Packed, int]]:
+    """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk on a
+    background thread while the caller runs the device on the current one."""
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # longest first
+    chunks = [order[i:i + _CHUNK_TEXTS] for i in range(0, len(order), _CHUNK_TEXTS)]
+    q: queue.Queue = queue.Queue(maxsize=8)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                ids, cut, limit, plen = tokenize_for(model, [texts[i] for i in chunk], prompt=prompt, query=query,
+                                                     max_length=max_length, truncate=truncate)
+                cut_total.extend(chunk[j] for j in cut)
+                limit_used[0] = limit
+                by_len = sorted(range(len(chunk)), key=lambda j: -len(ids[j]))
+                for b in token_budget_batches([len(ids[j]) for j in by_len], max_tokens):
+                    sel = [by_len[k] for k in b]
+                    item = ([chunk[j] for j in sel], packed_from_ids([ids[j] for j in sel]), plen)
+                    while not stop.is_set():
+                        try:
+                            q.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            q.put(None)
+        except BaseException as e:  # re-raised on the caller's thread
+            q.put(e)
+
+    worker = threading.Thread(target=produce, name="packedenc-tokenize", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        worker.join(timeout=5)
+
+
+def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None = None, query: bool = False,
+                 max_length: int | None = None, truncate: bool = True
+                 ) -> tuple[list[list[int]], list[int], int | None, int]:
+    """Token ids the way the model's folder says: prompts, and ColBERT's [Q]/[D] prefix and query
+    [MASK] expansion. Return: (ids per text, truncated indices, limit, prompt length in tokens)."""
+    tok = model.tokenizer
+    c = model.colbert
+    if c is None:
+        if query:
+            raise ConfigError("query=True is for multi-vector (ColBERT) models; use prompt=... for others")
+        text_prompt = _resolve_prompt(model, prompt)
+        if text_prompt:
+            texts = [text_prompt + t for t in texts]
+        ids, cut, limit = encode_texts(tok, texts, max_length, truncate)
+        return ids, cut, limit, _prompt_length(tok, text_prompt) if text_prompt else 0
+    prefix = c.query_prefix if query else c.document_prefix
+    limit = min(c.query_length if query else c.document_length, tok.max_length or 10**9)
+    if max_length is not None:
+        limit = max_length
+    prefix_id = tok.token_id(prefix) if prefix else None
+    if prefix_id is None and prefix:
+        prefix_id = tok.token_id(prefix.strip())
+    if prefix_id is not None:  # PyLate inserts the prefix token right after [CLS]
+        ids, cut, _ = encode_texts(tok, texts, limit - 1, truncate)
+        ids = [x[:1] + [prefix_id] + x[1:] for x in ids]
+    else:  # not a token of this vocabulary: prepended as text, as sentence-transformers does
+        ids, cut, _ = encode_texts(tok, [prefix + t for t in texts], limit, truncate)
+    if query and c.query_expansion:
+        if not c.attend_to_expansion_tokens:
+            raise ConfigError(
+                "this ColBERT model expands queries with [MASK] tokens that the other tokens do not attend to "
+                "(attend_to_expansion_tokens=false); packedenc's packed attention cannot express that yet. "
+                "Encode documents (query=False), or use PyLate for queries"
+            )
+        mask = tok.token_id("[MASK]") if tok.token_id("[MASK]") is not None else tok.token_id("<mask>")
+        if mask is None:
+            raise ConfigError("query expansion needs a [MASK] token, and this tokenizer has none")
+        ids = [x + [mask] * (limit - len(x)) for x in ids]
+    return ids, cut, limit, 0
+
+
+def _resolve_prompt(model: SentenceModel, prompt: str | None) -> str | None:
+    prompts = dict(model.prompts)
+    if prompt is None:
+        return prompts.get(model.default_prompt_name) if model.default_prompt_name else None
+    return prompts.get(prompt, prompt)
+
+
+def _prompt_length(tok: Any, prompt: str) -> int:
+    """Tokens of the prompt alone, less a trailing special token (ST's `_get_prompt_length`)."""
+    (ids,), _ = tok.encode([prompt])
+    special = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    return len(ids) - (1 if ids and ids[-1] in special else 0)

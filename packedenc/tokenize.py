@@ -1,0 +1,317 @@
+"""Text -> packed token ids, with the `tokenizers` library and nothing from `transformers`.
+
+    tok = packedenc.tokenizer("path/to/model")          # reads tokenizer.json
+    batch = packedenc.pack_texts(tok, ["a text", "another one"])   # Packed: ids, cu_seqlens, ...
+
+Where the files come from, in order: `tokenizer.json` (what every fast tokenizer saves);
+`vocab.txt` (a BERT WordPiece vocabulary, rebuilt as transformers' converter does); `spm.model`
+(DeBERTa-v2/v3, rebuilt like transformers 5's `DebertaV2Tokenizer`, needs the optional
+`sentencepiece` package: `pip install 'packedenc[sentencepiece]'`).
+
+The length limit is, in order: an explicit `max_length`; sentence-transformers'
+`sentence_bert_config.json` `max_seq_length`; `tokenizer_config.json` `model_max_length`; always
+capped by the model's position table (`max_position_embeddings`, less RoBERTa's offset).
+Padding and truncation settings stored inside `tokenizer.json` are ignored: packed batches are
+never padded, and truncation is applied here so that it can be counted and reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from packedenc.errors import CheckpointError, InputError
+from packedenc.packing import Packed, positions_from_cu_seqlens
+
+__all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts"]
+
+_HUGE = 10**8  # tokenizer_config's "no limit" is 1e30; anything this large means "not set"
+
+
+class TruncationWarning(UserWarning):
+    """Some texts were longer than the model's limit and were cut (one warning per call)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """A `tokenizers.Tokenizer` bound to one model: its length limit and special tokens.
+
+    Fields:
+        backend: the `tokenizers.Tokenizer` (padding and truncation switched off).
+        max_length: the longest sequence the model takes, special tokens included.
+        source: the folder it came from (for messages).
+    """
+
+    backend: Any
+    max_length: int | None
+    source: str = ""
+    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
+    _lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def num_special_tokens(self) -> int:
+        pp = self.backend.post_processor
+        return 0 if pp is None else pp.num_special_tokens_to_add(False)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def _truncating(self, max_length: int | None) -> Any:
+        """A private copy of the backend that truncates to `max_length` (thread-safe, cached):
+        `enable_truncation` mutates, and `embed` tokenizes on a background thread."""
+        with self._lock:
+            t = self._cache.get(max_length)
+            if t is None:
+                from tokenizers import Tokenizer as _Tok
+
+                t = _Tok.from_str(self.backend.to_str())
+                t.no_padding()
+                if max_length is None:
+                    t.no_truncation()
+                else:
+                    t.enable_truncation(max_length)
+                self._cache[max_length] = t
+            return t
+
+    def encode(self, texts: Sequence[str], max_length: int | None = None) -> tuple[list[list[int]], list[int]]:
+        """(token ids per text, indices of the texts that were truncated). No checks, no warning."""
+        t = self._truncating(max_length)
+        enc = (t.encode_batch_fast if hasattr(t, "encode_batch_fast") else t.encode_batch)(list(texts))
+        return [e.ids for e in enc], [i for i, e in enumerate(enc) if e.overflowing]
+
+
+def check_texts(texts: Any) -> list[str]:
+    """Raise a clear error unless `texts` is a non-empty list of non-blank strings."""
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be a list of strings, not a single string: wrap it as [text]")
+    try:
+        texts = list(texts)
+    except TypeError:
+        raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}") from None
+    if not texts:
+        raise InputError("texts is empty: pass at least one string")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] is a {type(t).__name__}, not a str; convert it (or drop it) first")
+    blank = [i for i, t in enumerate(texts) if not t.strip()]
+    if blank:
+        raise InputError(
+            f"{len(blank)} text(s) are empty or whitespace only (indices {blank[:10]}"
+            f"{' ...' if len(blank) > 10 else ''}): drop them or replace them with a placeholder"
+        )
+    return texts
+
+
+def _limit(tok: Tokenizer, max_length: int | None) -> int | None:
+    if max_length is None:
+        return tok.max_length
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= tok.num_special_tokens:
+        raise InputError(
+            f"max_length must be an int larger than the {tok.num_special_tokens} special tokens, got {max_length!r}"
+        )
+    if tok.max_length is not None and max_length > tok.max_length:
+        raise InputError(f"max_length={max_length} exceeds this model's limit of {tok.max_length} tokens")
+    return max_length
+
+
+def encode_texts(tok: Tokenizer, texts: Sequence[str], max_length: int | None, truncate: bool
+                 ) -> tuple[list[list[int]], list[int], int | None]:
+    """Tokenize checked texts: (ids per text, truncated indices, the limit used). Raises on
+    truncation when `truncate=False`; never warns (callers report once per job)."""
+    limit = _limit(tok, max_length)
+    ids, cut = tok.encode(texts, limit)
+    if cut and not truncate:
+        raise InputError(
+            f"{len(cut)} of {len(texts)} text(s) are longer than {limit} tokens (first: texts[{cut[0]}]); "
+            "shorten them, or pass truncate=True to cut them to the model's limit"
+        )
+    empty = [i for i, x in enumerate(ids) if not x]
+    if empty:
+        raise InputError(f"texts {empty[:10]} produce no tokens with this tokenizer; drop them")
+    return ids, cut, limit
+
+
+def warn_truncated(n: int, total: int, limit: int | None, first: int, stacklevel: int = 3) -> None:
+    warnings.warn(
+        f"{n} of {total} text(s) were longer than {limit} tokens and were truncated (first: texts[{first}]); "
+        "pass truncate=False to get an error instead",
+        TruncationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def packed_from_ids(ids: Sequence[Sequence[int]], device: torch.device | str | None = None) -> Packed:
+    """Lists of token ids -> `Packed` without a per-sequence tensor (fast for many short texts)."""
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
+    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    cu[1:] = torch.from_numpy(np.cumsum(lengths)).to(torch.int32)
+    ids_t = torch.from_numpy(flat)
+    batch = Packed(ids=ids_t, cu_seqlens=cu, positions=positions_from_cu_seqlens(cu, ids_t.numel()),
+                   max_seqlen=int(lengths.max()))
+    return batch if device is None else batch.to(device)
+
+
+def pack_texts(tok: Any, texts: Sequence[str], max_length: int | None = None, truncate: bool = True,
+               *, device: torch.device | str | None = None) -> Packed:
+    """Tokenize texts into one padding-free batch.
+
+    Arguments:
+        tok: a `Tokenizer` (from `packedenc.tokenizer(...)`), a model folder, or a loaded
+            sentence-transformers model (`packedenc.load_sentence_transformer`).
+        texts: a list of non-empty strings.
+        max_length: tokens per text, special tokens included (default: the model's limit).
+        truncate: cut longer texts (one `TruncationWarning` with the count) or, when False,
+            raise `InputError`.
+        device: where the packed tensors go (default CPU).
+    Return:
+        `Packed` (ids (T,), cu_seqlens (S+1,), positions (T,), max_seqlen) in the texts' order.
+    """
+    tok = tokenizer(tok)
+    texts = check_texts(texts)
+    ids, cut, limit = encode_texts(tok, texts, max_length, truncate)
+    if cut:
+        warn_truncated(len(cut), len(texts), limit, cut[0])
+    return packed_from_ids(ids, device)
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def tokenizer(model_or_folder: Any, *, max_length: int | None = None) -> Tokenizer:
+    """The tokenizer of a model folder (or hub id), ready for `pack_texts`.
+
+    Arguments:
+        model_or_folder: a folder holding tokenizer.json (an HF or sentence-transformers model
+            folder), a hub id, a loaded sentence-transformers model, a `tokenizers.Tokenizer`,
+            or a `Tokenizer` (returned as is).
+        max_length: override the model's length limit (never above the position table).
+    Return:
+        `Tokenizer`.
+    """
+    if isinstance(model_or_folder, Tokenizer):
+        return model_or_folder if max_length is None else dataclasses.replace(
+            model_or_folder, max_length=max_length, _cache={})
+    inner = getattr(model_or_folder, "tokenizer", None)
+    if isinstance(inner, Tokenizer):
+        return tokenizer(inner, max_length=max_length)
+    if type(model_or_folder).__module__.startswith("tokenizers"):
+        model_or_folder.no_padding()
+        return Tokenizer(model_or_folder, max_length)
+    if not isinstance(model_or_folder, (str, os.PathLike)):
+        raise TypeError(
+            f"tokenizer() needs a model folder, a hub id or a loaded model, got {type(model_or_folder).__name__}; "
+            "a params tree does not carry its tokenizer: pass the folder it was loaded from"
+        )
+    from packedenc.hub import resolve
+
+    root = resolve(model_or_folder)
+    folder, st = _transformer_folder(root)
+    backend = _load_backend(folder, root)
+    if st.get("do_lower_case"):
+        _add_lowercase(backend)
+    limit = _model_limit(folder, st)
+    if max_length is not None:
+        if limit is not None and max_length > limit:
+            raise InputError(f"max_length={max_length} exceeds this model's limit of {limit} tokens")
+        limit = max_length
+    return Tokenizer(backend, limit, str(root))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def _transformer_folder(root: Path) -> tuple[Path, dict[str, Any]]:
+    """(folder holding the backbone + tokenizer, its sentence_bert_config). Old ST saves keep
+    them in `0_Transformer/`; current ones at the top."""
+    modules = root / "modules.json"
+    if modules.is_file():
+        for m in json.loads(modules.read_text()):
+            if m.get("type", "").rsplit(".", 1)[-1] == "Transformer":
+                sub = root / m.get("path", "")
+                return sub, _read_json(sub / "sentence_bert_config.json")
+    return root, _read_json(root / "sentence_bert_config.json")
+
+
+def _load_backend(folder: Path, root: Path) -> Any:
+    from tokenizers import Tokenizer as _Tok
+
+    for f in (folder / "tokenizer.json", root / "tokenizer.json"):
+        if f.is_file():
+            try:
+                t = _Tok.from_file(str(f))
+            except Exception as e:
+                raise CheckpointError(f"cannot read {f}: {e}") from e
+            t.no_padding()
+            t.no_truncation()
+            return t
+    if (folder / "vocab.txt").is_file():
+        return _wordpiece(folder)
+    if (folder / "spm.model").is_file():
+        from packedenc._spm import deberta_v2_tokenizer
+
+        return deberta_v2_tokenizer(folder)
+    raise CheckpointError(
+        f"no tokenizer in {folder}: expected tokenizer.json (or vocab.txt, or a DeBERTa spm.model). "
+        "Copy the tokenizer files of the base model into the folder, or save them there once with "
+        "transformers: AutoTokenizer.from_pretrained(base).save_pretrained(folder)"
+    )
+
+
+def _wordpiece(folder: Path) -> Any:
+    """A BERT WordPiece tokenizer from vocab.txt, configured as transformers' BertConverter does."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    cfg = _read_json(folder / "tokenizer_config.json")
+    t = BertWordPieceTokenizer(
+        str(folder / "vocab.txt"),
+        clean_text=True,
+        handle_chinese_chars=cfg.get("tokenize_chinese_chars", True),
+        strip_accents=cfg.get("strip_accents"),
+        lowercase=cfg.get("do_lower_case", True),
+    )
+    return t._tokenizer  # the underlying tokenizers.Tokenizer
+
+
+def _add_lowercase(backend: Any) -> None:
+    """sentence-transformers' `do_lower_case`: prepend Lowercase unless the normalizer has it."""
+    from tokenizers import normalizers
+
+    n = backend.normalizer
+    parts = list(n) if isinstance(n, normalizers.Sequence) else ([n] if n is not None else [])
+    if any(isinstance(p, normalizers.Lowercase) for p in parts):
+        return
+    if isinstance(n, normalizers.BertNormalizer) and json.loads(backend.to_str())["normalizer"].get("lowercase"):
+        return
+    backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *parts])
+
+
+def _model_limit(folder: Path, st: dict[str, Any]) -> int | None:
+    cfg = _read_json(folder / "config.json")
+    positions = cfg.get("max_position_embeddings")
+    if isinstance(positions, int) and positions > 0:
+        if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert") and cfg.get("pad_token_id") is not None:
+            positions -= cfg["pad_token_id"] + 1
+    else:
+        positions = None
+    limit = st.get("max_seq_length")
+    if limit is None:
+        m = _read_json(folder / "tokenizer_config.json").get("model_max_length")
+        limit = int(m) if isinstance(m, (int, float)) and m < _HUGE else None
+    if limit is None:
+        return positions
+    return int(limit) if positions is None else min(int(limit), positions)
