@@ -238,6 +238,8 @@ def to_state_dict(params: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
             for n, chunk in zip(names, torch.chunk(t, len(names), 0)):
                 out[pre + n] = chunk
     cfg_dict["architectures"] = [kmod.architecture(params)]
+    if hasattr(kmod, "finish_config"):  # config fields that follow from the heads (DeBERTa `legacy`)
+        cfg_dict = kmod.finish_config(params, cfg_dict)
     return out, cfg_dict
 
 

@@ -23,6 +23,7 @@ from packedenc.errors import ConfigError
 # model_type in config.json -> module under packedenc.models
 _FAMILIES: dict[str, str] = {
     "modernbert": "modernbert",
+    "deberta-v2": "deberta",
     "bert": "bert",
     "roberta": "bert",
     "xlm-roberta": "bert",
@@ -31,6 +32,7 @@ _FAMILIES: dict[str, str] = {
 # module name -> name of its params class (for dispatch on a params tree)
 _PARAMS_CLASSES: dict[str, str] = {
     "modernbert": "ModernBertParams",
+    "deberta": "DebertaParams",
     "bert": "BertParams",
 }
 

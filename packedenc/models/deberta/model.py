@@ -1,0 +1,217 @@
+"""DeBERTa-v2/v3 (and mDeBERTa, deberta-v2-xlarge's conv layer) as a pure packed function.
+
+Matches `transformers/models/deberta_v2/modeling_deberta_v2.py` of transformers 5.24 on real
+tokens: post-LN layers, disentangled attention (content + c2p + p2c) with HF's log-bucketed
+relative positions, computed inside each packed sequence (`ops.deberta_attention`), the ConvLayer
+run per sequence with zero padding at both ends (`ops.varlen_conv1d`). Absolute positions (when
+`position_biased_input`) restart at 0 in every sequence, which equals HF on right-padded batches.
+
+Shapes: T packed tokens, S sequences, D hidden, E embedding size, H heads, K head dim,
+F intermediate, V vocab, R = 2 * att_span relative-position rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from packedenc.errors import ConfigError, InputError
+from packedenc.kernels import Ops, get_ops
+from packedenc.models.common import prepare_inputs
+from packedenc.models.deberta.config import DebertaConfig
+from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer
+from packedenc.packing import pool_first
+
+
+def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: Tensor | None,
+          cfg: DebertaConfig, ops: Ops) -> Tensor:
+    """word (+ absolute position) (+ token type) -> embed_proj -> LayerNorm, summed in the params' dtype."""
+    ln = p.layer_norm
+    extras = p.position_embeddings is not None or p.token_type_embeddings is not None or p.embed_proj is not None
+    if not extras:  # the v3 case: one fused gather + norm
+        return ops.embed_layer_norm(ids_T, p.word_embeddings.weight, ln.weight, ln.bias, cfg.layer_norm_eps)
+    x_TE = p.word_embeddings.weight[ids_T]
+    if p.position_embeddings is not None:
+        x_TE = x_TE + p.position_embeddings.weight[positions_T]
+    if p.token_type_embeddings is not None:
+        tt_T = positions_T.new_zeros(()).expand_as(ids_T) if token_type_ids_T is None else token_type_ids_T
+        x_TE = x_TE + p.token_type_embeddings.weight[tt_T]
+    if p.embed_proj is not None:  # before the LayerNorm, as in HF
+        x_TE = ops.linear(x_TE, p.embed_proj.weight, None)
+    return ops.layer_norm(x_TE, ln.weight, ln.bias, cfg.layer_norm_eps)
+
+
+def rel_embeddings(params: DebertaParams, ops: Ops) -> Tensor | None:
+    """(R, D) relative-position embeddings, LayerNorm-ed once per forward when norm_rel_ebd says so."""
+    enc, cfg = params.encoder, params.config
+    if enc.rel_embeddings is None or not cfg.attention_pos_types:
+        return None
+    rel_RD = enc.rel_embeddings.weight[: 2 * cfg.att_span]
+    if enc.layer_norm is not None:
+        rel_RD = ops.layer_norm(rel_RD, enc.layer_norm.weight, enc.layer_norm.bias, cfg.layer_norm_eps)
+    return rel_RD
+
+
+def position_projections(p: Layer, rel_RD: Tensor | None, cfg: DebertaConfig,
+                         ops: Ops) -> tuple[Tensor | None, Tensor | None]:
+    """One layer's (pos_key_RHK, pos_query_RHK) tables: its projections of the shared rel_RD, biases included.
+
+    With share_att_key they are the layer's own key / query projections (row blocks of the fused
+    qkv leaf), else the separate pos_key_proj / pos_query_proj. None for a term not in pos_att_type.
+    """
+    if rel_RD is None:
+        return None, None
+    R, H, K = rel_RD.shape[0], cfg.num_attention_heads, cfg.head_dim
+    HK, a = H * K, p.attention
+    pk = pq = None
+    if "c2p" in cfg.attention_pos_types:
+        if cfg.share_att_key:
+            w, b = a.qkv.weight[HK : 2 * HK], a.qkv.bias[HK : 2 * HK]
+        else:
+            w, b = a.pos_key_proj.weight, a.pos_key_proj.bias
+        pk = ops.linear(rel_RD, w, b).view(R, H, K)
+    if "p2c" in cfg.attention_pos_types:
+        if cfg.share_att_key:
+            w, b = a.qkv.weight[:HK], a.qkv.bias[:HK]
+        else:
+            w, b = a.pos_query_proj.weight, a.pos_query_proj.bias
+        pq = ops.linear(rel_RD, w, b).view(R, H, K)
+    return pk, pq
+
+
+def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_RHK: Tensor | None,
+          pos_query_RHK: Tensor | None, cfg: DebertaConfig, ops: Ops) -> Tensor:
+    """One post-LN DeBERTa layer over a padding-free buffer. Pure: returns a new tensor."""
+    T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
+    qkv_T3HK = ops.linear(x_TD, p.attention.qkv.weight, p.attention.qkv.bias).view(T, 3, H, K)
+    o_THK = ops.deberta_attention(
+        qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2], cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK,
+        pos_att_type=cfg.attention_pos_types, position_buckets=cfg.position_buckets,
+        max_relative_positions=cfg.max_relative, scale=cfg.scale,
+    )
+    ao, out = p.attention_output, p.output
+    y_TD = ops.linear(o_THK.reshape(T, H * K), ao.dense.weight, ao.dense.bias)
+    a_TD, _ = ops.add_layer_norm(y_TD, x_TD, ao.layer_norm.weight, ao.layer_norm.bias, cfg.layer_norm_eps)
+    h_TF = ops.activation(ops.linear(a_TD, p.intermediate.weight, p.intermediate.bias), cfg.hidden_act)
+    y_TD = ops.linear(h_TF, out.dense.weight, out.dense.bias)
+    return ops.add_layer_norm(y_TD, a_TD, out.layer_norm.weight, out.layer_norm.bias, cfg.layer_norm_eps)[0]
+
+
+def conv_layer(p: ConvLayer, emb_TD: Tensor, layer0_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+               cfg: DebertaConfig, ops: Ops) -> Tensor:
+    """HF ConvLayer: LayerNorm(layer0 + act(conv(embeddings))), the conv zero-padded per sequence."""
+    c_TD = ops.varlen_conv1d(emb_TD, p.conv.weight, p.conv.bias, cu_seqlens, max_seqlen, cfg.conv_groups)
+    c_TD = ops.activation(c_TD, cfg.conv_act)
+    return ops.add_layer_norm(layer0_TD, c_TD, p.layer_norm.weight, p.layer_norm.bias, cfg.layer_norm_eps)[0]
+
+
+def _check_token_types(tt: Tensor | None, ids: Tensor, cfg: DebertaConfig, values: bool) -> Tensor | None:
+    if tt is None or cfg.type_vocab_size == 0:
+        return None  # as HF: a model without token type embeddings ignores them
+    if not isinstance(tt, Tensor) or tt.shape != ids.shape:
+        shape = tuple(tt.shape) if isinstance(tt, Tensor) else type(tt).__name__
+        raise InputError(f"token_type_ids must be a (T,) tensor like ids {tuple(ids.shape)}, got {shape}")
+    if tt.is_floating_point() or tt.is_complex() or tt.dtype == torch.bool:
+        raise InputError(f"token_type_ids must be an integer tensor, got {tt.dtype}")
+    if tt.device != ids.device:
+        raise InputError(f"token_type_ids is on {tt.device} but ids on {ids.device}; move both")
+    if values:
+        lo, hi = int(tt.min()), int(tt.max())
+        if lo < 0 or hi >= cfg.type_vocab_size:
+            raise InputError(
+                f"token type id {lo if lo < 0 else hi} is outside [0, {cfg.type_vocab_size}) (type_vocab_size)"
+            )
+    return tt
+
+
+def encode(
+    params: DebertaParams,
+    ids: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int | None = None,
+    positions: Tensor | None = None,
+    *,
+    token_type_ids: Tensor | None = None,
+    backend: str | Ops = "auto",
+    validate: bool = False,
+) -> Tensor:
+    """Last hidden state of every packed token.
+
+    Arguments:
+        params: a `DebertaParams` tree (from `packedenc.load` or `init`).
+        ids: (T,) integer token ids, sequences back to back, no padding.
+        cu_seqlens: (S+1,) int32 boundaries, starting at 0 and ending at T.
+        max_seqlen: host int, the longest sequence; computed (one host sync) when None.
+        positions: (T,) position inside each sequence (absolute embeddings only; derived when None).
+        token_type_ids: (T,) optional segment ids, used when type_vocab_size > 0 (zeros when None),
+            ignored otherwise, as in transformers.
+        backend: "auto", "reference", ... or an `Ops` table.
+        validate: check values of ids / cu_seqlens / token_type_ids even on a GPU (syncs).
+    Return:
+        (T, D) in the params' dtype.
+    """
+    cfg = params.config
+    ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate
+    )
+    if cfg.position_biased_input and max_seqlen > cfg.max_position_embeddings:
+        raise InputError(
+            f"max_seqlen={max_seqlen} exceeds max_position_embeddings={cfg.max_position_embeddings} of this "
+            "model's absolute position embeddings; truncate or split the sequences"
+        )
+    token_type_ids = _check_token_types(token_type_ids, ids, cfg, validate or ids.device.type == "cpu")
+    ops = get_ops(backend, ids.device)
+    emb_TD = embed(params.embeddings, ids, positions, token_type_ids, cfg, ops)
+    rel_RD = rel_embeddings(params, ops)
+    # Position tables depend on the weights only: computed once per forward, before the layers.
+    tables = [position_projections(p, rel_RD, cfg, ops) for p in params.encoder.layer]
+    x_TD = emb_TD
+    for i, (p, (pk, pq)) in enumerate(zip(params.encoder.layer, tables)):
+        x_TD = layer(p, x_TD, cu_seqlens, max_seqlen, pk, pq, cfg, ops)
+        if i == 0 and params.encoder.conv is not None:  # its input is the embedding output
+            x_TD = conv_layer(params.encoder.conv, emb_TD, x_TD, cu_seqlens, max_seqlen, cfg, ops)
+    return x_TD
+
+
+# ---- heads (pure functions of the same params) -------------------------------------------------
+
+
+def classify(params: DebertaParams, hidden_TD: Tensor, cu_seqlens: Tensor, *,
+             backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (S, num_labels) logits: first token -> pooler dense -> act -> classifier.
+
+    DebertaV2ForSequenceClassification's ContextPooler + classifier (dropouts are identities).
+    """
+    if params.classifier is None or params.pooler is None:
+        raise ConfigError("these params have no classifier: load a DebertaV2ForSequenceClassification checkpoint")
+    ops = get_ops(backend, hidden_TD.device)
+    d, c = params.pooler.dense, params.classifier
+    pooled_SD = ops.activation(ops.linear(pool_first(hidden_TD, cu_seqlens), d.weight, d.bias),
+                               params.config.pooler_hidden_act)
+    return ops.linear(pooled_SD, c.weight, c.bias)
+
+
+def mlm_logits(params: DebertaParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (T, V) MLM logits from whichever MLM head the params carry.
+
+    lm_predictions (Microsoft's head, HF legacy=False): LN(act(dense(h))) @ word_embeddings^T + bias.
+    cls.predictions (HF legacy=True): LN(act(transform.dense(h))) @ decoder^T + bias, the decoder tied
+    to the word embeddings unless tie_word_embeddings=False. To score only masked positions, index
+    `hidden_TD` first.
+    """
+    cfg = params.config
+    ops = get_ops(backend, hidden_TD.device)
+    if params.lm_predictions is not None:
+        head = params.lm_predictions.lm_head
+        w, bias = params.embeddings.word_embeddings.weight, head.bias
+    elif params.cls is not None:
+        head = params.cls.predictions.transform
+        dec = params.cls.predictions.decoder
+        w = params.embeddings.word_embeddings.weight if dec is None else dec.weight
+        bias = params.cls.predictions.bias if dec is None else dec.bias
+    else:
+        raise ConfigError("these params have no MLM head: load a DebertaV2ForMaskedLM checkpoint "
+                          "(or one with lm_predictions.* tensors)")
+    h = ops.activation(ops.linear(hidden_TD, head.dense.weight, head.dense.bias), cfg.hidden_act)
+    h = ops.layer_norm(h, head.layer_norm.weight, head.layer_norm.bias, cfg.layer_norm_eps)
+    return ops.linear(h, w, bias)
