@@ -1,0 +1,91 @@
+"""Shared plumbing for the training examples: model choice, synthetic data, optimizer, save + check.
+
+`--model tiny` builds a 2-layer random ModernBERT on the fly (runs in seconds on a CPU); any other
+value is a folder or hub id loaded with `packedenc.load` (e.g. a base-size model on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+import packedenc as pe
+from packedenc.models import modernbert
+
+TINY = modernbert.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, local_attention=16, pad_token_id=0, cls_token_id=1,
+                                   sep_token_id=2, bos_token_id=1, eos_token_id=2)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--model", default="tiny", help="'tiny' (random, CPU-friendly) or a folder / hub id")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="where to save the fine-tuned model (default: a temp folder)")
+    return p
+
+
+def load_model(name: str, device: str, heads: tuple[str, ...] = (), num_labels: int = 0):
+    """fp32 master weights on `device`; the forward runs in bf16 on CUDA (compute_dtype)."""
+    if name == "tiny":
+        cfg = TINY
+        if num_labels:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, id2label=tuple((i, f"LABEL_{i}") for i in range(num_labels)))
+        params = pe.init(cfg, torch.Generator().manual_seed(0), heads=heads)
+    else:
+        params = pe.load(name, dtype=torch.float32)
+    return pe.tree_to(params, device)
+
+
+def compute_dtype(device: str) -> torch.dtype | None:
+    return torch.bfloat16 if device.startswith("cuda") else None
+
+
+def trainable(params):
+    """Leaves that autograd tracks (detached copies, so the loaded tree is untouched)."""
+    return torch.utils._pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), params)
+
+
+def optimizer(params, lr: float) -> torch.optim.Optimizer:
+    leaves = torch.utils._pytree.tree_leaves(params)
+    fused = leaves[0].is_cuda
+    return torch.optim.AdamW(leaves, lr=lr, weight_decay=0.01, fused=fused)
+
+
+def random_sequences(n: int, lo: int, hi: int, vocab: int, g: torch.Generator) -> list[list[int]]:
+    """CLS + random body + SEP, lengths uniform in [lo, hi]; ids 3.. avoid the special tokens."""
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [[1, *torch.randint(3, vocab, (k,), generator=g).tolist(), 2] for k in lens]
+
+
+def save_and_check(params, out: str | None) -> str:
+    """Save with packedenc.save, then load the folder in transformers when it is installed."""
+    folder = out or tempfile.mkdtemp(prefix="packedenc-finetuned-")
+    pe.save(torch.utils._pytree.tree_map(lambda t: t.detach().cpu(), params), folder)
+    try:
+        import transformers
+    except ImportError:
+        print(f"saved to {folder} (transformers not installed: load check skipped)")
+        return folder
+    import json
+    import os
+
+    arch = json.load(open(os.path.join(folder, "config.json")))["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(folder)  # the task class, heads included
+    print(f"saved to {folder}; transformers loads it as {type(model).__name__}")
+    return folder
+
+
+def report(losses: list[float]) -> None:
+    k = max(1, len(losses) // 5)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    print(f"loss: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+    if not last < first:
+        raise SystemExit("loss did not go down")
