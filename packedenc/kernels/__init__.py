@@ -118,29 +118,39 @@ def _choose(op: str, backend: str, device: torch.device) -> str:
     return "reference"
 
 
-@functools.lru_cache(maxsize=None)
-def _get_ops(backend: str, device_type: str) -> Ops:
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+_CHOSEN: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+
+
+# torch.compile: dynamo cannot trace the imports that load a backend, and would trace through an
+# lru_cache. `assume_constant_result` makes it run this eagerly at trace time and keep the
+# result, plain strings, as a constant; `get_ops` then only reads module-level dicts.
+@torch.compiler.assume_constant_result
+def _choose_all(backend: str, device_type: str) -> tuple[tuple[str, str], ...]:
+    """(op, backend) for every op; computed (and logged, on CUDA) once per key."""
+    key = (backend, device_type)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
     device = torch.device(device_type)
     if backend not in ("auto", "reference") and device.type == "cuda" and not _load_backend(backend):
         why = _IMPORT_ERRORS.get(backend, "it registers no op")
         raise ConfigError(f"backend {backend!r} is not available on this machine ({why})")
-    chosen = {op: _choose(op, backend, device) for op in OP_NAMES}
-    table = Ops(
-        backend=backend,
-        chosen=tuple(chosen.items()),
-        **{op: _IMPLS[b][op] for op, b in chosen.items()},
-    )
-    if backend == "auto" and device.type == "cuda":
-        log.info("packedenc backend=auto on %s: %s", device_type,
-                 ", ".join(f"{op}={b}" for op, b in chosen.items()))
-    return table
+    chosen = tuple((op, _choose(op, backend, device)) for op in OP_NAMES)
+    _CHOSEN[key] = chosen
+    if device.type == "cuda":
+        log.info("packedenc backend=%s on %s: %s", backend, device_type,
+                 ", ".join(f"{op}={b}" for op, b in chosen))
+    return chosen
 
 
 def get_ops(backend: str | Ops = "auto", device: torch.device | str | None = None) -> Ops:
-    """The op table for `backend` on `device` (a ready `Ops` is passed through unchanged)."""
+    """The op table for `backend` on `device` (a ready `Ops` is passed through unchanged).
+
+    Safe inside `torch.compile(fullgraph=True)`, also on the first call.
+    """
     if isinstance(backend, Ops):
         return backend
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     dev = torch.device("cpu" if device is None else device)
-    return _get_ops(backend, dev.type)
+    chosen = _choose_all(backend, dev.type)
+    return Ops(backend=backend, chosen=chosen, **{op: _IMPLS[b][op] for op, b in chosen})

@@ -15,6 +15,7 @@ Adding a model (checklist):
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -51,9 +52,15 @@ def family_for_model_type(model_type: str | None) -> ModuleType:
     return importlib.import_module(f"packedenc.models.{_FAMILIES[model_type]}")
 
 
+def _module(name: str) -> ModuleType:
+    # sys.modules first: torch.compile (dynamo) traces a dict lookup but not import_module.
+    mod = sys.modules.get(f"packedenc.models.{name}")
+    return importlib.import_module(f"packedenc.models.{name}") if mod is None else mod
+
+
 def family_of(params: Any) -> ModuleType:
     for module, cls_name in _PARAMS_CLASSES.items():
-        mod = importlib.import_module(f"packedenc.models.{module}")
+        mod = _module(module)
         if type(params).__name__ == cls_name and isinstance(params, getattr(mod, cls_name)):
             return mod
     raise ConfigError(

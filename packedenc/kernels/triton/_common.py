@@ -1,0 +1,45 @@
+"""Launch helpers shared by the Triton kernels: tile sizes and layout checks.
+
+Shapes: T packed tokens, D row width.
+Tiles are fixed by heuristics from the row width (no `triton.autotune`): a launch never benchmarks,
+so the first call inside CUDA-graph capture or under the interpreter behaves like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_float(name: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
+
+
+def rows(x: Tensor) -> Tensor:
+    """x as a 2-D (rows, D) tensor whose last dim is contiguous (copies only when it is not).
+
+    Gradients from `.sum().backward()` arrive as stride-0 expanded tensors: they must be
+    materialised, or the kernel would read the wrong elements.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
+        x2 = x2.contiguous()
+    return x2
+
+
+def row_tile(width: int, target: int = 4096) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) for a row-wise kernel over rows of `width` elements.
+
+    The whole row sits in registers (BLOCK_D = next power of two); short rows are stacked so
+    that one program handles about `target` elements, enough to hide memory latency.
+    """
+    block_d = triton.next_power_of_2(width)
+    block_t = max(1, min(64, target // block_d))
+    elems = block_t * block_d
+    num_warps = 1 if elems <= 256 else 2 if elems <= 1024 else 4 if elems <= 4096 else 8 if elems <= 16384 else 16
+    return block_t, block_d, num_warps

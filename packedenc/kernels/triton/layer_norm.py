@@ -1,0 +1,342 @@
+"""LayerNorm, residual add + LayerNorm, and embedding gather + LayerNorm: one Triton kernel each way.
+
+Shapes: T packed tokens, D hidden, V vocab, P backward programs.
+
+Forward `_ln_fwd_kernel`: a program normalises BLOCK_T whole rows held in registers; fp32
+statistics with the centred (two-pass) variance, one rounding. With a residual it first rounds
+x + residual to the activation dtype, exactly as two eager ops would, stores that sum (the new
+residual) and normalises it. With ids it gathers the rows from the embedding table instead.
+Backward `_ln_bwd_kernel`: P programs each own a fixed contiguous range of rows, recompute the
+statistics, write dx and one fp32 partial row of dweight / dbias; torch sums the P partials.
+The partition depends only on T, so the backward is deterministic (no atomics).
+
+Each op is a `torch.library.custom_op` whose CPU implementation is `kernels/reference.py` and whose
+CUDA implementation launches the kernel; the backward is itself an op (CPU: autograd of the
+reference), so `torch.compile(fullgraph=True)` traces forward and backward through fakes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from packedenc.kernels import reference
+from packedenc.kernels import reference_bwd
+from packedenc.kernels.triton._common import check_float, row_tile, rows
+
+__all__ = ["layer_norm", "add_layer_norm", "embed_layer_norm", "ln_fwd", "ln_bwd"]
+
+
+@triton.jit
+def _ln_fwd_kernel(
+    X,  # (T, D) input rows, or (V, D) embedding table when GATHER
+    RES,  # (T, D) residual added to x (HAS_RES)
+    IDS,  # (T,) int row index into X (GATHER)
+    W,  # (D,) weight, any float dtype
+    B,  # (D,) bias (HAS_BIAS)
+    Y,  # (T, D) normalised output, activation dtype
+    SUM,  # (T, D) rounded x + residual (HAS_RES)
+    T,  # rows to produce
+    V,  # rows of X when GATHER (ids outside [0, V) read zeros instead of faulting)
+    D,  # row width
+    stride_x, stride_r, stride_y, stride_s,  # row strides (elements); last dims are contiguous
+    eps,
+    HAS_RES: tl.constexpr,
+    GATHER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    col = tl.arange(0, BLOCK_D)
+    rmask = row < T
+    cmask = col < D
+    mask = rmask[:, None] & cmask[None, :]
+    if GATHER:
+        src = tl.load(IDS + row, mask=rmask, other=0).to(tl.int64)
+        xmask = mask & ((src >= 0) & (src < V))[:, None]
+    else:
+        src = row
+        xmask = mask
+    x = tl.load(X + src[:, None] * stride_x + col[None, :], mask=xmask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(RES + row[:, None] * stride_r + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(SUM.dtype.element_ty)  # the eager residual add rounds here
+        tl.store(SUM + row[:, None] * stride_s + col[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    w = tl.load(W + col, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + col, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + row[:, None] * stride_y + col[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_bwd_kernel(
+    DY,  # (T, D) gradient of the normalised output
+    X,  # (T, D) LayerNorm input rows, or (V, D) table when GATHER
+    IDS,  # (T,) int row index into X (GATHER)
+    W,  # (D,) weight
+    DSUM,  # (T, D) gradient reaching the LayerNorm input directly (add_layer_norm's sum output)
+    DX,  # (T, D) out: gradient of the LayerNorm input rows
+    DW,  # (P, D) fp32 out: per-program partial sum of dy * xhat
+    DB,  # (P, D) fp32 out: per-program partial sum of dy
+    T, V, D,
+    rows_per_prog,
+    stride_dy, stride_x, stride_ds, stride_dx,
+    eps,
+    HAS_DSUM: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    col = tl.arange(0, BLOCK_D)
+    cmask = col < D
+    w = tl.load(W + col, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    start = pid.to(tl.int64) * rows_per_prog
+    for i in range(0, rows_per_prog):
+        row = start + i
+        # Row conditions are broadcast to vectors before combining with the column mask: the
+        # interpreter rejects a scalar-and-vector mask.
+        zero = tl.zeros([BLOCK_D], dtype=tl.int64)
+        m = cmask & ((row + zero) < T)
+        if GATHER:
+            src = tl.load(IDS + tl.minimum(row, T - 1)).to(tl.int64)
+            xm = m & ((src + zero) >= 0) & ((src + zero) < V)
+        else:
+            src = row
+            xm = m
+        x = tl.load(X + src * stride_x + col, mask=xm, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + col, mask=m, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / D
+        xc = tl.where(cmask, x - mean, 0.0)
+        rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / D + eps)
+        xhat = xc * rstd
+        wdy = w * dy
+        c1 = tl.sum(xhat * wdy, axis=0) / D
+        c2 = tl.sum(wdy, axis=0) / D
+        dx = (wdy - (xhat * c1 + c2)) * rstd
+        if HAS_DSUM:
+            dx += tl.load(DSUM + row * stride_ds + col, mask=m, other=0.0).to(tl.float32)
+        tl.store(DX + row * stride_dx + col, dx.to(DX.dtype.element_ty), mask=m)
+        dw += dy * xhat
+        db += dy
+    tl.store(DW + pid.to(tl.int64) * D + col, dw, mask=cmask)
+    tl.store(DB + pid.to(tl.int64) * D + col, db, mask=cmask)
+
+
+# ---- launchers (device-agnostic: CUDA, or CPU tensors under TRITON_INTERPRET=1) ----------------
+
+
+def ln_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
+    residual: Tensor | None = None, ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Launch the forward. Return (y, rounded sum or None). With `ids`, `x` is the (V, D) table."""
+    check_float("layer_norm", x, weight)
+    D = x.shape[-1]
+    assert weight.shape == (D,) and (bias is None or bias.shape == (D,))
+    x2 = rows(x)
+    dtype = x.dtype
+    if residual is not None:
+        dtype = torch.promote_types(x.dtype, residual.dtype)  # what `x + residual` gives
+        x2, res2 = rows(x2.to(dtype)), rows(residual.to(dtype))
+    T = ids.numel() if ids is not None else x2.shape[0]
+    out_shape = (T, D) if ids is not None else x.shape
+    y = torch.empty(out_shape, dtype=dtype, device=x.device)
+    s = torch.empty(out_shape, dtype=dtype, device=x.device) if residual is not None else None
+    if T == 0:
+        return y, s
+    BLOCK_T, BLOCK_D, num_warps = row_tile(D)
+    y2 = y.view(-1, D)
+    s2 = s.view(-1, D) if s is not None else y2
+    ids_ = ids.contiguous() if ids is not None else x2  # unused pointer when not gathering
+    _ln_fwd_kernel[(triton.cdiv(T, BLOCK_T),)](
+        x2, res2 if residual is not None else x2, ids_, weight.contiguous(),
+        bias.contiguous() if bias is not None else weight, y2, s2,
+        T, x2.shape[0], D,
+        x2.stride(0), res2.stride(0) if residual is not None else 0, y2.stride(0), s2.stride(0),
+        eps,
+        HAS_RES=residual is not None, GATHER=ids is not None, HAS_BIAS=bias is not None,
+        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps,
+    )
+    return y, s
+
+
+def ln_bwd(
+    dy: Tensor, x: Tensor, weight: Tensor, eps: float,
+    dsum: Tensor | None = None, ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward. Return (dx (T, D) in x's dtype, dweight, dbias in weight's dtype)."""
+    D = x.shape[-1]
+    dy2, x2 = rows(dy), rows(x)
+    T = dy2.shape[0]
+    dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    P = max(1, min(T, 512))  # fixed by T alone: deterministic partial sums
+    rows_per_prog = triton.cdiv(T, P) if T else 1
+    P = triton.cdiv(T, rows_per_prog) if T else 1
+    dw = torch.zeros((P, D), dtype=torch.float32, device=x.device)
+    db = torch.zeros((P, D), dtype=torch.float32, device=x.device)
+    if T:
+        ds2 = rows(dsum) if dsum is not None else dy2
+        BLOCK_D = triton.next_power_of_2(D)
+        num_warps = 1 if BLOCK_D <= 512 else 4 if BLOCK_D <= 4096 else 8
+        _ln_bwd_kernel[(P,)](
+            dy2, x2, ids.contiguous() if ids is not None else dy2, weight.contiguous(), ds2, dx, dw, db,
+            T, x2.shape[0], D, rows_per_prog,
+            dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
+            eps,
+            HAS_DSUM=dsum is not None, GATHER=ids is not None, BLOCK_D=BLOCK_D, num_warps=num_warps,
+        )
+    return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
+
+
+# ---- registered ops ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("packedenc::layer_norm", mutates_args=(), device_types="cpu")
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+@_layer_norm.register_kernel("cuda")
+def _(x, weight, bias, eps):
+    return ln_fwd(x, weight, bias, eps)[0]
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("packedenc::add_layer_norm", mutates_args=(), device_types="cpu")
+def _add_layer_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    return reference.add_layer_norm(x, residual, weight, bias, eps)
+
+
+@_add_layer_norm.register_kernel("cuda")
+def _(x, residual, weight, bias, eps):
+    return ln_fwd(x, weight, bias, eps, residual=residual)
+
+
+@_add_layer_norm.register_fake
+def _(x, residual, weight, bias, eps):
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    shape = torch.broadcast_shapes(x.shape, residual.shape)
+    return x.new_empty(shape, dtype=dtype), x.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("packedenc::embed_layer_norm", mutates_args=(), device_types="cpu")
+def _embed_layer_norm(ids: Tensor, table: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    return reference.embed_layer_norm(ids, table, weight, bias, eps)
+
+
+@_embed_layer_norm.register_kernel("cuda")
+def _(ids, table, weight, bias, eps):
+    return ln_fwd(table, weight, bias, eps, ids=ids)[0].view(*ids.shape, table.shape[-1])
+
+
+@_embed_layer_norm.register_fake
+def _(ids, table, weight, bias, eps):
+    return table.new_empty((*ids.shape, table.shape[-1]))
+
+
+# The backward op: dx of the LayerNorm input rows (gathered from `x` through `ids` when given),
+# plus `dsum` (gradient arriving at the LayerNorm input from elsewhere), dweight and dbias.
+@torch.library.custom_op("packedenc::layer_norm_bwd", mutates_args=(), device_types="cpu")
+def _layer_norm_bwd(
+    dy: Tensor, x: Tensor, ids: Tensor | None, dsum: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows_ = F.embedding(ids, x) if ids is not None else x
+    dx, dw, db = reference_bwd.layer_norm_bwd(dy, rows_, weight, eps, dsum)
+    return dx.reshape(-1, x.shape[-1]), dw, db
+
+
+@_layer_norm_bwd.register_kernel("cuda")
+def _(dy, x, ids, dsum, weight, eps):
+    return ln_bwd(dy, x, weight, eps, dsum=dsum, ids=ids)
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, ids, dsum, weight, eps):
+    D = x.shape[-1]
+    T = ids.numel() if ids is not None else x.numel() // D
+    return x.new_empty((T, D)), weight.new_empty((D,)), weight.new_empty((D,))
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.has_bias = eps, bias is not None
+
+
+def _ln_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, x, None, None, weight, ctx.eps)
+    return dx.view_as(x), dw, db if ctx.has_bias else None, None
+
+
+def _add_ln_setup(ctx, inputs, output):
+    x, residual, weight, bias, eps = inputs
+    ctx.save_for_backward(output[1], weight)  # the rounded sum is the LayerNorm input
+    ctx.eps, ctx.has_bias = eps, bias is not None
+    ctx.dtypes = (x.dtype, residual.dtype)
+
+
+def _add_ln_backward(ctx, dy, dsum):
+    s, weight = ctx.saved_tensors
+    ds, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, s, None, dsum, weight, ctx.eps)
+    ds = ds.view_as(s)
+    return ds.to(ctx.dtypes[0]), ds.to(ctx.dtypes[1]), dw, db if ctx.has_bias else None, None
+
+
+def _embed_ln_setup(ctx, inputs, output):
+    ids, table, weight, bias, eps = inputs
+    ctx.save_for_backward(ids, table, weight)
+    ctx.eps, ctx.has_bias = eps, bias is not None
+
+
+def _embed_ln_backward(ctx, dy):
+    ids, table, weight = ctx.saved_tensors
+    dx, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, table, ids.reshape(-1), None, weight, ctx.eps)
+    # embedding_dense_backward is F.embedding's own backward (sorted segment sums on CUDA).
+    dtable = torch.ops.aten.embedding_dense_backward(dx, ids.reshape(-1), table.shape[0], -1, False)
+    return None, dtable, dw, db if ctx.has_bias else None, None
+
+
+_layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup)
+_add_layer_norm.register_autograd(_add_ln_backward, setup_context=_add_ln_setup)
+_embed_layer_norm.register_autograd(_embed_ln_backward, setup_context=_embed_ln_setup)
+
+
+# ---- the Ops-table entries: reference signatures ----------------------------------------------
+
+
+def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """LayerNorm over the last dim: fp32 statistics, one rounding (see `reference.layer_norm`)."""
+    return torch.ops.packedenc.layer_norm(x_TD, weight, bias, eps)
+
+
+def add_layer_norm(
+    x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """(LayerNorm(x + residual), x + residual), the sum rounded before the statistics."""
+    return torch.ops.packedenc.add_layer_norm(x_TD, residual_TD, weight, bias, eps)
+
+
+def embed_layer_norm(
+    ids_T: Tensor, table_VD: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+) -> Tensor:
+    """LayerNorm(table[ids]) without materialising the gathered rows. Ids outside [0, V) are
+    rejected by `encode`'s input checks; the kernel reads zeros for them rather than fault."""
+    return torch.ops.packedenc.embed_layer_norm(ids_T, table_VD, weight, bias, eps)

@@ -1,0 +1,195 @@
+"""layer_norm, add_layer_norm, embed_layer_norm: Triton kernels and registered ops vs the reference.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on tiny ragged packs (fp32, fp16); the
+`gpu` tests use the issue's ragged lengths in bf16 / fp16 / fp32 with the 2x rule.
+"""
+
+import pytest
+import torch
+
+from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels.triton import layer_norm as L
+from tests.kernels._assert import (
+    CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, err, other_rows,
+)
+
+T_CPU = sum(CPU_LENGTHS)
+
+
+def _inputs(T, D, dtype, device=DEVICE, bias=True, scale=1.0):
+    x = (torch.randn(T, D) * scale + 0.5).to(device, dtype)
+    w = (1 + 0.1 * torch.randn(D)).to(device, dtype)
+    b = (0.1 * torch.randn(D)).to(device, dtype) if bias else None
+    return x, w, b
+
+
+def _f32(*ts):
+    return [None if t is None else t.float() for t in ts]
+
+
+@pytest.mark.parametrize("D", [40, 64])  # 40: masked tail of a 64-wide block; 64: exact block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_matches_reference(D, dtype, bias):
+    x, w, b = _inputs(T_CPU, D, dtype, bias=bias)
+    y, s = L.ln_fwd(x, w, b, 1e-5)
+    assert s is None
+    assert_close_to_ref(y, reference.layer_norm(*_f32(x, w, b), 1e-5), reference.layer_norm(x, w, b, 1e-5),
+                        atol=2e-6, what="layer_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_layer_norm_rounds_the_sum_first(dtype):
+    x, w, b = _inputs(T_CPU, 40, dtype)
+    r = torch.randn(T_CPU, 40).to(DEVICE, dtype) * 3
+    y, s = L.ln_fwd(x, w, b, 1e-5, residual=r)
+    y_ref, s_ref = reference.add_layer_norm(x, r, w, b, 1e-5)
+    assert torch.equal(s, s_ref)  # the new residual is exactly the eager rounded sum
+    assert_close_to_ref(y, reference.layer_norm(*_f32(s_ref, w, b), 1e-5), y_ref, atol=2e-6, what="add_layer_norm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_embed_layer_norm_gathers_rows(dtype):
+    table, w, b = _inputs(11, 40, dtype)
+    ids = torch.tensor([3, 0, 10, 5, 5, 7, 0]).to(DEVICE)  # repeats, first and last rows
+    y, _ = L.ln_fwd(table, w, b, 1e-5, ids=ids)
+    ref32 = reference.embed_layer_norm(ids, *_f32(table, w, b), 1e-5)
+    assert_close_to_ref(y, ref32, reference.embed_layer_norm(ids, table, w, b, 1e-5), atol=2e-6, what="embed")
+
+
+def test_rows_do_not_leak_across_sequences():
+    x, w, b = _inputs(T_CPU, 40, torch.float32)
+    r = torch.randn_like(x)
+    y, s = L.ln_fwd(x, w, b, 1e-5, residual=r)
+    other = other_rows(CPU_LENGTHS, 3)
+    x2, r2 = x.clone(), r.clone()
+    x2[other] *= 7.0
+    r2[other] -= 3.0
+    y2, s2 = L.ln_fwd(x2, w, b, 1e-5, residual=r2)
+    assert torch.equal(y[~other], y2[~other]) and torch.equal(s[~other], s2[~other])
+    assert not torch.equal(y[other], y2[other])  # the perturbation did reach the other rows
+
+
+def test_forward_and_backward_are_deterministic():
+    x, w, b = _inputs(T_CPU, 40, torch.float16)
+    dy = torch.randn_like(x)
+    assert torch.equal(L.ln_fwd(x, w, b, 1e-5)[0], L.ln_fwd(x, w, b, 1e-5)[0])
+    a, c = L.ln_bwd(dy, x, w, 1e-5), L.ln_bwd(dy, x, w, 1e-5)
+    assert all(torch.equal(u, v) for u, v in zip(a, c))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", ["plain", "dsum", "gather"])
+def test_backward_kernel_matches_reference_backward(dtype, mode):
+    D = 40
+    x, w, _ = _inputs(T_CPU, D, dtype)
+    dy = torch.randn(T_CPU, D).to(DEVICE, dtype)
+    dsum = torch.randn(T_CPU, D).to(DEVICE, dtype) if mode == "dsum" else None
+    ids = torch.randint(0, T_CPU, (T_CPU,)).to(DEVICE) if mode == "gather" else None
+    dx, dw, db = L.ln_bwd(dy, x, w, 1e-5, dsum=dsum, ids=ids)
+    rows = x if ids is None else x[ids]
+    ref = reference_bwd.layer_norm_bwd(dy, rows, w, 1e-5, dsum)
+    ref32 = reference_bwd.layer_norm_bwd(*_f32(dy, rows, w), 1e-5, None if dsum is None else dsum.float())
+    for name, got, r, r32 in zip(("dx", "dw", "db"), (dx, dw, db), ref, ref32):
+        assert_close_to_ref(got, r32, r, atol=1e-5 * max(1.0, r32.abs().max().item()), what=name)
+
+
+# ---- the registered ops (CPU: the reference implementation) --------------------------------------
+
+
+def test_ops_pass_opcheck():
+    x, w, b = _inputs(6, 8, torch.float32, device="cpu")
+    r = torch.randn_like(x)
+    table = torch.randn(5, 8)
+    ids = torch.tensor([0, 4, 2, 2, 1, 3])
+    for args in ((x, w, b, 1e-5), (x, w, None, 1e-5)):
+        torch.library.opcheck(torch.ops.packedenc.layer_norm.default, [a.requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+    torch.library.opcheck(torch.ops.packedenc.add_layer_norm.default, (x, r, w, b, 1e-5))
+    torch.library.opcheck(torch.ops.packedenc.embed_layer_norm.default, (ids, table, w, b, 1e-5))
+
+
+def test_op_gradients_equal_reference_autograd():
+    x, w, b = _inputs(6, 8, torch.float32, device="cpu")
+    r = torch.randn_like(x)
+    table = torch.randn(5, 8)
+    ids = torch.tensor([0, 4, 2, 2, 1, 3])
+
+    def grads(fn, *leaves):
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        out = fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)
+        loss = sum((o * torch.linspace(-1, 2, o.numel()).view_as(o)).sum() for o in outs)
+        return torch.autograd.grad(loss, leaves)
+
+    pairs = [
+        (lambda x, w, b: L.layer_norm(x, w, b, 1e-5), lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), (x, w, b)),
+        (lambda x, r, w, b: L.add_layer_norm(x, r, w, b, 1e-5), lambda x, r, w, b: reference.add_layer_norm(x, r, w, b, 1e-5), (x, r, w, b)),
+        (lambda t, w, b: L.embed_layer_norm(ids, t, w, b, 1e-5), lambda t, w, b: reference.embed_layer_norm(ids, t, w, b, 1e-5), (table, w, b)),
+    ]
+    for op, ref, leaves in pairs:
+        for g, gr in zip(grads(op, *leaves), grads(ref, *leaves)):
+            torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-6)
+
+
+def test_ops_compile_fullgraph():
+    x, w, b = _inputs(6, 8, torch.float32, device="cpu")
+    r = torch.randn_like(x)
+
+    def f(x, r):
+        y, s = L.add_layer_norm(x, r, w, b, 1e-5)
+        return L.layer_norm(y + s, w, None, 1e-5)
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, r), f(x, r))
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+GPU_T = sum(GPU_LENGTHS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [768, 1024])  # ModernBERT base / large widths (768: masked 1024 block)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_forward_ops(D, dtype):
+    from packedenc.kernels import get_ops
+
+    ops = get_ops("triton", "cuda")
+    x, w, b = _inputs(GPU_T, D, dtype, device="cuda", scale=2.0)
+    r = torch.randn(GPU_T, D, device="cuda").to(dtype)
+    table, _, _ = _inputs(1000, D, dtype, device="cuda")
+    ids = torch.randint(0, 1000, (GPU_T,), device="cuda")
+    atol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert_close_to_ref(ops.layer_norm(x, w, b, 1e-5), reference.layer_norm(*_f32(x, w, b), 1e-5),
+                        reference.layer_norm(x, w, b, 1e-5), atol=atol, what="layer_norm")
+    y, s = ops.add_layer_norm(x, r, w, None, 1e-5)
+    y_ref, s_ref = reference.add_layer_norm(x, r, w, None, 1e-5)
+    assert torch.equal(s, s_ref)
+    assert_close_to_ref(y, reference.layer_norm(*_f32(s_ref, w), None, 1e-5), y_ref, atol=atol, what="add_ln")
+    assert_close_to_ref(ops.embed_layer_norm(ids, table, w, b, 1e-5),
+                        reference.embed_layer_norm(ids, *_f32(table, w, b), 1e-5),
+                        reference.embed_layer_norm(ids, table, w, b, 1e-5), atol=atol, what="embed_ln")
+    assert torch.equal(ops.layer_norm(x, w, b, 1e-5), ops.layer_norm(x, w, b, 1e-5))  # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_backward_ops(dtype):
+    from packedenc.kernels import get_ops
+
+    ops = get_ops("triton", "cuda")
+    D = 768
+    x, w, b = _inputs(GPU_T, D, dtype, device="cuda")
+    r = torch.randn(GPU_T, D, device="cuda").to(dtype)
+    g1, g2 = torch.randn(GPU_T, D, device="cuda").to(dtype), torch.randn(GPU_T, D, device="cuda").to(dtype)
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (x, r, w, b)]
+        y, s = fn(*leaves)
+        return torch.autograd.grad((y, s), leaves, (g1.to(cast), g2.to(cast)))
+
+    op = lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, 1e-5)  # noqa: E731
+    ref = lambda x, r, w, b: reference.add_layer_norm(x, r, w, b, 1e-5)  # noqa: E731
+    got, lowp, f32 = grads(op, dtype), grads(ref, dtype), grads(ref, torch.float32)
+    for name, a, c, e in zip(("dx", "dres", "dw", "db"), got, lowp, f32):
+        assert_close_to_ref(a, e, c, atol=1e-4 * max(1.0, e.abs().max().item()), what=name)
+    assert all(torch.equal(a, c) for a, c in zip(got, grads(op, dtype)))  # deterministic
