@@ -1,0 +1,119 @@
+"""Data parallelism on torch.distributed (launched with `torchrun`), for the params pytree.
+
+Training: `wrap(params)` puts the tree's leaves into a thin `nn.Module` and hands it to
+`DistributedDataParallel` (bucketed gradient all-reduce overlapped with the backward pass) or,
+with `fsdp=True`, to FSDP2's `fully_shard` (params, grads and optimizer state sharded as DTensors).
+The module's forward takes the loss function, so the whole step stays a function of the tree:
+
+    model = pdist.wrap(params)                         # DDP; identical params on every rank
+    opt = torch.optim.AdamW(model.parameters())
+    loss = model(loss_fn, batch)                       # loss_fn(params_tree, batch)
+    loss.backward(); opt.step()
+
+Data: `rank_range(n)` gives this rank's contiguous share of n items; each rank packs its own
+token-budget batches. Embedding shards with a resumable manifest live in `packedenc.embed_sharded`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+__all__ = ["init", "rank", "world_size", "rank_range", "ParamsModule", "wrap", "is_initialized"]
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def init(backend: str | None = None) -> torch.device:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ...) and return
+    this rank's device. NCCL with one GPU per local rank when CUDA is present, else gloo on CPU.
+    A plain single process (no torchrun variables) is fine: nothing is initialised."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" in os.environ and not is_initialized():
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+    return device
+
+
+def rank_range(n: int, r: int | None = None, world: int | None = None) -> range:
+    """This rank's contiguous slice of `n` items; sizes differ by at most one across ranks."""
+    r = rank() if r is None else r
+    world = world_size() if world is None else world
+    base, extra = divmod(n, world)
+    start = r * base + min(r, extra)
+    return range(start, start + base + (r < extra))
+
+
+class ParamsModule(nn.Module):
+    """An `nn.Module` view of a params tree: each leaf is an `nn.Parameter` (same storage), and
+    `.params` rebuilds the tree (config included) from the current parameters.
+
+    `forward(fn, *args, **kwargs)` returns `fn(self.params, *args, **kwargs)`, so DDP / FSDP hooks
+    see one forward per step whatever the loss does with the tree (encode, heads, losses).
+    """
+
+    def __init__(self, params: Any):
+        super().__init__()
+        leaves, self._treedef = pytree.tree_flatten(params)
+        self._names = [f"p{i}" for i in range(len(leaves))]
+        for name, leaf in zip(self._names, leaves):
+            self.register_parameter(name, nn.Parameter(leaf.detach(), requires_grad=leaf.is_floating_point()))
+
+    @property
+    def params(self) -> Any:
+        return pytree.tree_unflatten([getattr(self, n) for n in self._names], self._treedef)
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(self.params, *args, **kwargs)
+
+
+def wrap(params: Any, *, fsdp: bool = False, device: torch.device | None = None, **kwargs: Any) -> nn.Module:
+    """Wrap a params tree for data-parallel training.
+
+    Arguments:
+        params: the tree (fp32 master weights recommended; pass compute_dtype to encode for bf16).
+        fsdp: shard params / grads / optimizer state with FSDP2 instead of replicating with DDP.
+        device: where the parameters live (default: the tree's device).
+        kwargs: passed to DistributedDataParallel (e.g. bucket_cap_mb) or fully_shard.
+    Return:
+        a module whose `.module.params` (DDP) or `.params` (FSDP2) is the current tree. With a
+        single process (no process group) the plain `ParamsModule` is returned.
+    """
+    module = ParamsModule(params)
+    if device is not None:
+        module = module.to(device)
+    if not is_initialized():
+        return module
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(module, **kwargs)
+    dev = next(module.parameters()).device
+    ids = [dev.index] if dev.type == "cuda" else None
+    # Rank 0's initial params win (DDP broadcasts them), so every rank starts identical.
+    return nn.parallel.DistributedDataParallel(module, device_ids=ids, **kwargs)
+
+
+def unwrap(model: nn.Module) -> Any:
+    """The current params tree of a module returned by `wrap` (full tensors for DDP; for FSDP2,
+    DTensor leaves: call `.full_tensor()` on each to gather)."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return inner.params
