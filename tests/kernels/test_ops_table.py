@@ -1,0 +1,64 @@
+"""The op table: backend choice, logging once, and torch.compile(fullgraph=True) through get_ops."""
+
+import logging
+
+import pytest
+import torch
+
+import packedenc as pe
+from packedenc.errors import ConfigError
+from packedenc.kernels import OP_NAMES, get_ops
+
+
+def _tiny_modernbert(dtype=torch.float32, device="cpu"):
+    from packedenc.models.modernbert import ModernBertConfig, init
+
+    cfg = ModernBertConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=2, local_attention=4)  # window (2, 2) < the lengths below
+    return pe.tree_to(init(cfg, torch.Generator().manual_seed(0), dtype=dtype), device=device)
+
+
+def test_unknown_backend_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown backend"):
+        get_ops("fastest", "cpu")
+
+
+def test_cpu_uses_the_reference_for_every_backend():
+    for backend in ("auto", "reference", "triton", "flash"):
+        ops = get_ops(backend, "cpu")
+        assert all(b == "reference" for _, b in ops.chosen), (backend, ops.chosen)
+        assert len(ops.chosen) == len(OP_NAMES)
+
+
+def test_encode_compiles_fullgraph_on_cpu():
+    params = _tiny_modernbert()
+    b = pe.pack([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])
+    eager = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
+    compiled = torch.compile(pe.encode, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(params, b.ids, b.cu_seqlens, b.max_seqlen), eager)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_triton_and_flash_and_logs_once(caplog):
+    from packedenc import kernels
+
+    kernels._CHOSEN.pop(("auto", "cuda"), None)
+    with caplog.at_level(logging.INFO, logger="packedenc"):
+        ops = get_ops("auto", "cuda")
+        get_ops("auto", torch.device("cuda", 0))
+    chosen = dict(ops.chosen)
+    for op in ("layer_norm", "add_layer_norm", "embed_layer_norm", "rotary", "glu"):
+        assert chosen[op] == "triton", chosen
+    assert chosen["varlen_attention"] == "flash"
+    assert sum("backend=auto" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton", "flash", "reference"])
+def test_gpu_encode_compiles_fullgraph(backend):
+    params = _tiny_modernbert(torch.bfloat16, "cuda")
+    b = pe.pack([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], device="cuda")
+    eager = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=backend)
+    out = torch.compile(pe.encode, fullgraph=True)(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=backend)
+    cos = torch.nn.functional.cosine_similarity(out.float(), eager.float(), dim=-1)
+    assert cos.min() > 0.999, cos.min()

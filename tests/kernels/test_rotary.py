@@ -1,0 +1,111 @@
+"""rotary: RoPE on q and k straight from the (T, 3, H, K) Wqkv output, vs the reference.
+
+Per-token positions restart in every packed sequence; cos/sin are taken in fp32 and rounded to
+the activation dtype (transformers 5.x), the rotation is fp32 with one rounding.
+"""
+
+import pytest
+import torch
+
+from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels.triton import rotary as RO
+from tests.kernels._assert import (
+    CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, other_rows, positions,
+)
+
+T_CPU = sum(CPU_LENGTHS)
+
+
+def _qkv(T, H, K, dtype, device=DEVICE):
+    return torch.randn(T, 3, H, K).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,K", [(3, 16), (2, 24)])  # 24: 12 frequencies in a 16-wide block
+@pytest.mark.parametrize("theta", [10000.0, 160000.0])  # ModernBERT local / global
+def test_rotary_matches_reference(dtype, H, K, theta):
+    qkv, pos = _qkv(T_CPU, H, K, dtype), positions(CPU_LENGTHS)
+    q, k = RO.rotary_fwd(qkv, pos, theta)
+    assert q.is_contiguous() and k.is_contiguous()
+    q32, k32 = reference.rotary(qkv.float(), pos, theta)
+    ql, kl = reference.rotary(qkv, pos, theta)
+    assert_close_to_ref(q, q32, ql, atol=1e-6, what="q")
+    assert_close_to_ref(k, k32, kl, atol=1e-6, what="k")
+
+
+def test_rotary_reads_a_strided_qkv_and_honours_scaling():
+    # qkv as a view of a wider buffer (row stride > 3*H*K) and attention_scaling != 1
+    big = torch.randn(T_CPU, 3 * 2 * 16 + 8).to(DEVICE)
+    qkv = big[:, : 3 * 2 * 16].view(T_CPU, 3, 2, 16)
+    pos = positions(CPU_LENGTHS) * 37  # larger angles
+    q, k = RO.rotary_fwd(qkv, pos, 10000.0, 1.25)
+    qr, kr = reference.rotary(qkv, pos, 10000.0, 1.25)
+    torch.testing.assert_close(q, qr, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(k, kr, rtol=1e-6, atol=2e-6)
+
+
+def test_rotary_isolation_and_determinism():
+    qkv, pos = _qkv(T_CPU, 2, 16, torch.float16), positions(CPU_LENGTHS)
+    q, k = RO.rotary_fwd(qkv, pos, 10000.0)
+    other = other_rows(CPU_LENGTHS, 1)
+    qkv2 = qkv.clone()
+    qkv2[other] *= 3
+    q2, k2 = RO.rotary_fwd(qkv2, pos, 10000.0)
+    assert torch.equal(q[~other], q2[~other]) and torch.equal(k[~other], k2[~other])
+    assert not torch.equal(q[other], q2[other])
+    q3, k3 = RO.rotary_fwd(qkv, pos, 10000.0)
+    assert torch.equal(q, q3) and torch.equal(k, k3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_backward_kernel(dtype):
+    pos = positions(CPU_LENGTHS)
+    dq, dk = torch.randn(T_CPU, 2, 16).to(DEVICE, dtype), torch.randn(T_CPU, 2, 16).to(DEVICE, dtype)
+    got = RO.rotary_bwd(dq, dk, pos, 10000.0)
+    assert torch.equal(got[:, 2], torch.zeros_like(got[:, 2]))
+    ref32 = reference_bwd.rotary_bwd(dq.float(), dk.float(), pos, 10000.0)
+    assert_close_to_ref(got, ref32, reference_bwd.rotary_bwd(dq, dk, pos, 10000.0), atol=1e-6, what="dqkv")
+
+
+def test_rotary_op_opcheck_autograd_and_compile():
+    qkv, pos = torch.randn(6, 3, 2, 8), torch.tensor([0, 1, 2, 0, 1, 0])
+    torch.library.opcheck(torch.ops.packedenc.rotary.default, (qkv.requires_grad_(), pos, 10000.0, 1.0))
+    leaf = qkv.detach().clone().requires_grad_()
+    leaf_ref = qkv.detach().clone().requires_grad_()
+    w = torch.randn(6, 2, 8)
+    (RO.rotary(leaf, pos, 10000.0)[0] * w).sum().backward()
+    (reference.rotary(leaf_ref, pos, 10000.0)[0] * w).sum().backward()
+    torch.testing.assert_close(leaf.grad, leaf_ref.grad)
+    f = lambda x: RO.rotary(x, pos, 10000.0)  # noqa: E731
+    for a, b in zip(torch.compile(f, fullgraph=True, backend="aot_eager")(qkv.detach()), f(qkv.detach())):
+        torch.testing.assert_close(a, b)
+
+
+GPU_T = sum(GPU_LENGTHS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("theta", [10000.0, 160000.0])
+def test_gpu_rotary(dtype, theta):
+    from packedenc.kernels import get_ops
+
+    ops = get_ops("triton", "cuda")
+    qkv, pos = _qkv(GPU_T, 12, 64, dtype, "cuda"), positions(GPU_LENGTHS, "cuda")
+    q, k = ops.rotary(qkv, pos, theta)
+    q32, k32 = reference.rotary(qkv.float(), pos, theta)
+    ql, kl = reference.rotary(qkv, pos, theta)
+    atol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert_close_to_ref(q, q32, ql, atol=atol, what="q")
+    assert_close_to_ref(k, k32, kl, atol=atol, what="k")
+    # long positions: the in-kernel cos/sin must stay accurate at angles of thousands of radians
+    far = pos + 8000
+    qf, _ = ops.rotary(qkv, far, theta)
+    assert_close_to_ref(qf, reference.rotary(qkv.float(), far, theta)[0], reference.rotary(qkv, far, theta)[0],
+                        atol=atol, what="q at positions 8000+")
+    assert torch.equal(ops.rotary(qkv, pos, theta)[0], q)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    leaf = qkv.detach().requires_grad_()
+    torch.autograd.backward(ops.rotary(leaf, pos, theta), (dq, dk))
+    assert_close_to_ref(leaf.grad, reference_bwd.rotary_bwd(dq.float(), dk.float(), pos, theta),
+                        reference_bwd.rotary_bwd(dq, dk, pos, theta), atol=atol, what="dqkv")
