@@ -1,0 +1,150 @@
+"""Contenders any family can reuse: packedenc (eager and CUDA-graphed), a packed plain-torch
+function, and a Hugging Face model with dynamic padding (optionally under torch.compile).
+
+Each system builds its weights on the device in `setup` from one host copy shared by every
+system (same values everywhere) and frees them in `close`, so peak memory is its own.
+
+Shapes: T packed tokens, S sequences, L padded length, D hidden.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import packedenc as pe
+from benchmarks.common import Batch, System, Workload
+
+
+class PackedencSystem(System):
+    """`packedenc.encode(params, ids, cu_seqlens, max_seqlen, backend=...)`."""
+
+    def __init__(self, name: str, host_params: Any, device: torch.device, backend: str = "auto") -> None:
+        self.name, self.host_params, self.device, self.backend = name, host_params, device, backend
+        self.params: Any = None
+
+    def setup(self) -> None:
+        self.params = pe.tree_to(self.host_params, self.device)
+
+    def prepare(self, batch: Batch) -> tuple[Tensor, Tensor, int]:
+        return batch.ids.to(self.device), batch.cu_seqlens.to(self.device), batch.max_seqlen
+
+    def run(self, inputs: tuple[Tensor, Tensor, int]) -> Tensor:
+        ids, cu, max_seqlen = inputs
+        return pe.encode(self.params, ids, cu, max_seqlen, backend=self.backend)
+
+    def info(self) -> dict[str, Any]:
+        ops = pe.get_ops(self.backend, self.device)
+        return {"ops": ",".join(f"{op}={b}" for op, b in ops.chosen)}
+
+    def close(self) -> None:
+        self.params = None
+
+
+class GraphedSystem(PackedencSystem):
+    """packedenc replayed from CUDA graphs; runs only workloads whose batches all fit the budget."""
+
+    def __init__(self, name: str, host_params: Any, device: torch.device, *, max_tokens: int = 16384,
+                 max_seqs: int = 256, backend: str = "auto") -> None:
+        super().__init__(name, host_params, device, backend)
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.graphed: Any = None
+
+    def setup(self) -> None:
+        from packedenc.cuda_graphs import graphed
+
+        super().setup()
+        self.graphed = graphed(self.params, max_tokens=self.max_tokens, max_seqs=self.max_seqs,
+                               backend=self.backend, max_graphs=64)
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        worst = max(range(len(workload.batches)), key=workload.batch_tokens)
+        too_many = max(len(b) for b in workload.batches) > self.max_seqs
+        if workload.batch_tokens(worst) > self.max_tokens or too_many:
+            return f"batches exceed the graph budget (max_tokens={self.max_tokens}, max_seqs={self.max_seqs})"
+        return None
+
+    def run(self, inputs: tuple[Tensor, Tensor, int]) -> Tensor:
+        ids, cu, max_seqlen = inputs
+        return self.graphed(ids, cu, max_seqlen)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "graph_budget": f"{self.max_tokens} tokens / {self.max_seqs} seqs"}
+
+    def close(self) -> None:
+        if self.graphed is not None:
+            self.graphed.clear()
+        self.graphed = None
+        super().close()
+
+
+class PackedFnSystem(PackedencSystem):
+    """Any packed function `fn(state, ids, cu_seqlens, max_seqlen, positions)`, e.g. a plain-torch
+    baseline; `make_state(params)` turns the device params into what `fn` needs (tables, ...)."""
+
+    def __init__(self, name: str, host_params: Any, device: torch.device, fn: Callable[..., Tensor],
+                 make_state: Callable[[Any], Any] = lambda p: p) -> None:
+        super().__init__(name, host_params, device)
+        self.fn, self.make_state, self.state = fn, make_state, None
+
+    def setup(self) -> None:
+        super().setup()
+        self.state = self.make_state(self.params)
+
+    def prepare(self, batch: Batch) -> tuple[Tensor, Tensor, int, Tensor]:
+        from packedenc.packing import positions_from_cu_seqlens
+
+        ids, cu, L = super().prepare(batch)
+        return ids, cu, L, positions_from_cu_seqlens(cu, ids.numel())
+
+    def run(self, inputs: tuple[Tensor, Tensor, int, Tensor]) -> Tensor:
+        return self.fn(self.state, *inputs)
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self.state = None
+        super().close()
+
+
+class HFPaddedSystem(System):
+    """A transformers model on right-padded batches (padded to each batch's longest sequence).
+
+    `build(device)` returns the model in eval mode on the device. `compile=True` wraps it in
+    `torch.compile(dynamic=True)`: one graph for every (batch, length), compiled in the warm-up.
+    Token-budget packs are skipped: padding a 64k-token pack of mixed lengths is not a fair use.
+    """
+
+    def __init__(self, name: str, build: Callable[[torch.device], torch.nn.Module], device: torch.device,
+                 *, compile: bool = False, pad_id: int = 0) -> None:
+        self.name, self.build, self.device, self.compile, self.pad_id = name, build, device, compile, pad_id
+        self.model: Any = None
+
+    def setup(self) -> None:
+        model = self.build(self.device)
+        self.model = torch.compile(model, dynamic=True) if self.compile else model
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        return "token-budget packs are for packed systems (HF pads every batch)" if workload.budget else None
+
+    def prepare(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        ids, mask = batch.padded(self.pad_id)
+        return ids.to(self.device), mask.to(self.device)
+
+    def run(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        ids, mask = inputs
+        return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    def hidden(self, inputs: tuple[Tensor, Tensor], out: Tensor) -> Tensor:
+        return out[inputs[1].bool()]  # (S, L, D) -> (T, D): row-major over (S, L) = packed order
+
+    def info(self) -> dict[str, Any]:
+        return {"compile": "dynamic=True"} if self.compile else {}
+
+    def close(self) -> None:
+        self.model = None
+        if self.compile:
+            torch._dynamo.reset()  # free compiled graphs and their cached workspaces
