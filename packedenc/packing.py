@@ -31,6 +31,7 @@ __all__ = [
     "pool_mean",
     "pool_max",
     "token_budget_batches",
+    "khop_sequences",
 ]
 
 
@@ -323,3 +324,6 @@ def token_budget_batches(
     if cur:
         batches.append(cur)
     return batches
+
+
+from packedenc.khop import khop_sequences  # noqa: E402

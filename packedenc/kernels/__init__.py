@@ -42,13 +42,14 @@ BACKENDS = ("auto", "reference", "triton", "flash", "cute")
 # backend is not available (its import fails and is recorded, never raised at import time).
 _BACKEND_MODULES = {
     "triton": ("packedenc.kernels.triton",),
-    "flash": ("packedenc.kernels.flash",),
+    "flash": ("packedenc.kernels.flash", "packedenc.kernels.graph_attention"),
     "cute": ("packedenc.kernels.cute",),
 }
 
 # Per-op preference when backend="auto" on a CUDA device (first available wins).
 _AUTO_CUDA = {
     "varlen_attention": ("flash", "triton"),
+    "graph_attention": ("flash",),
 }
 _AUTO_CUDA_DEFAULT = ("triton",)
 
@@ -69,6 +70,7 @@ class Ops:
     varlen_attention: Callable
     deberta_attention: Callable  # disentangled (content + c2p + p2c) attention, DeBERTa-v2/v3
     varlen_conv1d: Callable  # conv along each packed sequence (DeBERTa-v2-xlarge ConvLayer)
+    graph_attention: Callable  # varlen attention, own query/key boundaries + per-key head bias (graph)
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("backend", "chosen"))

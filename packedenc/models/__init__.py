@@ -28,6 +28,7 @@ _FAMILIES: dict[str, str] = {
     "bert": "bert",
     "roberta": "bert",
     "xlm-roberta": "bert",
+    "graph_transformer": "graph_transformer",
 }
 
 # module name -> name of its params class (for dispatch on a params tree)
@@ -35,6 +36,7 @@ _PARAMS_CLASSES: dict[str, str] = {
     "modernbert": "ModernBertParams",
     "deberta": "DebertaParams",
     "bert": "BertParams",
+    "graph_transformer": "GraphTransformerParams",
 }
 
 
