@@ -99,7 +99,8 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
                                                       truncate, cut_total, limit_used):
                 batch = batch.to(model.device)
                 hidden = _encode(model, batch, backend)
-                f = run_modules(modules, hidden, batch, prompt_length=prompt_length)
+                f = run_modules(modules, hidden, batch, prompt_length=prompt_length,
+                                task="query" if query else "document")
                 if "sentence_embedding" in f and not model.multi_vector:
                     emb = f["sentence_embedding"].float().cpu()
                     if out is None:

@@ -77,9 +77,11 @@ class Normalize:
 
 @pytree_dataclass
 class SkipTokens:
-    """ColBERT documents: drop the token embeddings of punctuation (PyLate's skiplist)."""
+    """ColBERT: drop the token embeddings of these ids (PyLate's punctuation skiplist), for documents
+    only by default (ST's `MultiVectorMask.skiplist_tasks`)."""
 
     ids: tuple[int, ...] = static(())
+    tasks: tuple[str, ...] = static(("document",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +202,11 @@ def dense(x: Tensor, d: Dense) -> Tensor:
     return y
 
 
-def run_modules(modules: tuple[Any, ...], hidden_TD: Tensor, batch: Packed, *, prompt_length: int = 0
-                ) -> dict[str, Tensor]:
+def run_modules(modules: tuple[Any, ...], hidden_TD: Tensor, batch: Packed, *, prompt_length: int = 0,
+                task: str = "document") -> dict[str, Tensor]:
     """Apply the module chain after the backbone. Pure: returns a new features dict with
-    "token_embeddings" (T', E), "cu_seqlens" (S+1,) and, after a Pooling, "sentence_embedding" (S, E)."""
+    "token_embeddings" (T', E), "cu_seqlens" (S+1,) and, after a Pooling, "sentence_embedding" (S, E).
+    `task` ("document" or "query") decides whether a ColBERT skiplist applies."""
     f: dict[str, Tensor] = {"token_embeddings": hidden_TD, "cu_seqlens": batch.cu_seqlens}
     for m in modules:
         if isinstance(m, Pooling):
@@ -214,7 +217,8 @@ def run_modules(modules: tuple[Any, ...], hidden_TD: Tensor, batch: Packed, *, p
             if m.input_name in f:
                 f[m.output_name] = F.normalize(f[m.input_name], p=2, dim=-1)
         elif isinstance(m, SkipTokens):
-            f = _skip_tokens(f, batch, m.ids)
+            if task in m.tasks:
+                f = _skip_tokens(f, batch, m.ids)
         else:  # pragma: no cover - the loader only builds the classes above
             raise ConfigError(f"unknown module {type(m).__name__}")
     return f
@@ -334,7 +338,9 @@ def load_sentence_transformer(path_or_repo_id: str | os.PathLike, *, device: tor
             modules.append(Normalize(inp, c.get("module_output_name") or inp))
         elif kind == "MultiVectorMask":  # ST's ColBERT scoring mask: a document-side skiplist
             c = _json(sub / "config.json")
-            modules.append(SkipTokens(_token_ids(tok, c.get("skiplist_words") or [])))
+            tasks = c.get("skiplist_tasks") or ["document"]
+            tasks = [tasks] if isinstance(tasks, str) else tasks
+            modules.append(SkipTokens(_token_ids(tok, c.get("skiplist_words") or []), tuple(tasks)))
         else:
             raise ConfigError(
                 f"{root}/modules.json has a {m.get('type')!r} module; packedenc supports Transformer, Pooling, "

@@ -262,9 +262,7 @@ def _load_backend(folder: Path, root: Path) -> Any:
     if (folder / "vocab.txt").is_file():
         return _wordpiece(folder)
     if (folder / "spm.model").is_file():
-        from packedenc._spm import deberta_v2_tokenizer
-
-        return deberta_v2_tokenizer(folder)
+        return _deberta_spm(folder)
     raise CheckpointError(
         f"no tokenizer in {folder}: expected tokenizer.json (or vocab.txt, or a DeBERTa spm.model). "
         "Copy the tokenizer files of the base model into the folder, or save them there once with "
@@ -285,6 +283,48 @@ def _wordpiece(folder: Path) -> Any:
         lowercase=cfg.get("do_lower_case", True),
     )
     return t._tokenizer  # the underlying tokenizers.Tokenizer
+
+
+def _deberta_spm(folder: Path) -> Any:
+    """DeBERTa-v2/v3's spm.model as a `tokenizers` Unigram, built as transformers 5's
+    `DebertaV2Tokenizer.__init__` builds it (normalizers, Metaspace, [CLS] x [SEP], [MASK] added
+    after the pieces). Reading the .model file needs the optional `sentencepiece` package."""
+    try:
+        import sentencepiece
+    except ImportError:
+        raise CheckpointError(
+            f"{folder} ships only spm.model (no tokenizer.json); reading it needs sentencepiece: "
+            "pip install 'packedenc[sentencepiece]'"
+        ) from None
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers.models import Unigram
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spm.model"))
+    cfg = _read_json(folder / "tokenizer_config.json")
+    vocab = [(sp.id_to_piece(i), float(sp.get_score(i))) for i in range(sp.get_piece_size())]
+    t = _Tok(Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=False))
+    norms = [normalizers.Lowercase()] if cfg.get("do_lower_case", False) else []
+    norms += [normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "), normalizers.NFC(),
+              normalizers.Strip(left=False, right=True)]
+    t.normalizer = normalizers.Sequence(norms)
+    pre = [pre_tokenizers.Punctuation(behavior="isolated")] if cfg.get("split_by_punct", False) else []
+    scheme = "always" if cfg.get("add_prefix_space", True) else "first"
+    t.pre_tokenizer = pre_tokenizers.Sequence(pre + [pre_tokenizers.Metaspace(replacement="\u2581",
+                                                                              prepend_scheme=scheme)])
+    t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    names = {k: str(cfg.get(f"{k}_token") or f"[{k.upper()}]") for k in ("pad", "unk", "cls", "sep", "mask")}
+    # Control pieces and the special names become unsplittable special tokens; [MASK] (not an
+    # spm piece in DeBERTa-v3) gets the next id, as transformers adds it.
+    specials = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)]
+    t.add_special_tokens([AddedToken(w, normalized=False, special=True)
+                          for w in dict.fromkeys(specials + list(names.values()))])
+    cls, sep = names["cls"], names["sep"]
+    t.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, t.token_to_id(cls)), (sep, t.token_to_id(sep))],
+    )
+    return t
 
 
 def _add_lowercase(backend: Any) -> None:

