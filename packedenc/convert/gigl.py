@@ -97,9 +97,7 @@ def gigl_key(path: str, cfg: GraphTransformerConfig) -> str:
         return ".".join(["_encoder_layers", parts[1], "_ffn", *tail, parts[4]])
     if parts[0] == "encoder_layers":
         return ".".join(["_encoder_layers", parts[1], f"_{parts[2]}", *parts[3:]])
-    if parts[0] in ("node_projection_dict", "anchor_based_input_embedding_dict"):
-        return ".".join([f"_{parts[0]}", *parts[1:]])  # dict keys keep their names
-    return ".".join([f"_{parts[0]}", *parts[1:]])
+    return ".".join([f"_{parts[0]}", *parts[1:]])  # dict keys (node types) keep their names
 
 
 def _embedding_rows(value: Any) -> int | None:
