@@ -68,7 +68,7 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         pooling: override the model's pooling: "cls", "mean", "max", "lasttoken", "weightedmean"
             or "mean_sqrt_len_tokens". normalize: force L2 normalization on (True) or off (False);
             None keeps the model's Normalize module.
-        progress: show a tqdm bar (it appears only when the job lasts more than a second).
+        progress: show a tqdm bar on long jobs (more than 64 texts, and only after 2 seconds).
         device: where to compute; default CUDA when available for a folder, else the model's device.
         dtype: cast the weights (e.g. torch.bfloat16 on a GPU). prompt: a prompt name from the
             model's config_sentence_transformers.json or literal text prepended to every text.
@@ -92,7 +92,8 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
     limit_used: list[int | None] = [None]
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=n, unit="text", desc="embed", disable=not progress, delay=1.0, leave=False)
+    # Long jobs only: a bar for a handful of texts is noise (and `delay` hides short ones anyway).
+    bar = tqdm(total=n, unit="text", desc="embed", disable=not progress or n <= 64, delay=2.0, leave=False)
     try:
         with torch.inference_mode():
             for idx, batch, prompt_length in _batches(model, texts, max_tokens, prompt, query, max_length,

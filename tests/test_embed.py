@@ -80,7 +80,7 @@ def test_max_length_and_progress_bar(tiny, capsys):
         a = run(tiny, ["one two three four five six seven"], max_length=4)
     b = run(tiny, ["one two"])  # [CLS] one two [SEP] == the cut text's 4 tokens
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    run(tiny, ["x"] * 3, progress=True)  # a short job: the bar never shows (delay=1s)
+    run(tiny, ["x"] * 3, progress=True)  # a short job: no bar
     assert "embed" not in capsys.readouterr().err
 
 
