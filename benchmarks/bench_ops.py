@@ -5,11 +5,14 @@
 
 For each op (bf16, ModernBERT-base shapes: D=768, H=12, K=64, F=1152) and token count T it
 prints the max error of the kernel and of plain torch in bf16 against the fp32 reference (the
-2x rule), then the time per call (median, triton.testing.do_bench, L2 flushed) of:
-  triton     the packedenc op (custom op -> Triton kernel)
-  eager      what a careful PyTorch user writes (F.layer_norm on bf16, x + r then LN, ...)
-  compiled   torch.compile of that same plain-torch function (Inductor's fused kernel)
-with achieved GB/s (bytes that must move / time) against ~4.3 TB/s copy bandwidth.
+2x rule), then two times per call:
+  gpu us     pure device time: median CUDA-graph replay (triton.testing.do_bench_cudagraph), so
+             host overhead is excluded; achieved GB/s = bytes that must move / this time
+             (H200 copy bandwidth ~4.3 TB/s)
+  call us    eager cost: back-to-back calls then one sync, host overhead included
+of: triton (the Ops-table function: direct launch in eager inference), op (the registered custom
+op, torch.ops.packedenc.*), eager (what a careful PyTorch user writes: F.layer_norm on bf16,
+x + r then LN, ...), compiled (torch.compile of that plain-torch function).
 Then forward+backward per op, the varlen attention implementations, and a whole ModernBERT-base
 encode on a doc-like pack.
 
@@ -21,11 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import time
 import traceback
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench_cudagraph
 
 import packedenc as pe
 from packedenc.kernels import flash, get_ops, reference
@@ -37,7 +41,19 @@ BF16 = torch.bfloat16
 
 
 def _ms(fn) -> float:
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    """Device time of one call in ms (CUDA-graph replay: no host overhead)."""
+    return do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def _call_ms(fn, n: int = 30) -> float:
+    """Eager time of one call in ms, host overhead included (n calls back to back, one sync)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
 
 
 def _err(a, b) -> float:
@@ -83,6 +99,14 @@ def _cases(T: int):
         return F.gelu(a) * g
 
     b2 = 2  # bytes per bf16 element
+    P = torch.ops.packedenc
+    opcall = {
+        "layer_norm": lambda: P.layer_norm(x, w, None, EPS),
+        "add_layer_norm": lambda: P.add_layer_norm(x, r, w, None, EPS)[0],
+        "embed_layer_norm": lambda: P.embed_layer_norm(ids, table, w, None, EPS),
+        "rotary": lambda: P.rotary(qkv, pos, 10000.0)[0],
+        "glu": lambda: P.glu(u, "gelu"),
+    }
     return [
         ("layer_norm", lambda: ops.layer_norm(x, w, None, EPS), lambda: F.layer_norm(x, (D,), w, None, EPS),
          lambda: reference.layer_norm(*f32(x, w), None, EPS), 2 * T * D * b2,
@@ -99,30 +123,31 @@ def _cases(T: int):
          lambda: reference.rotary(qkv, pos, 10000.0)[0]),
         ("glu", lambda: ops.glu(u, "gelu"), lambda: plain_glu(u), lambda: reference.glu(u.float(), "gelu"),
          3 * T * FF * b2, lambda: reference.glu(u, "gelu")),
-    ], dict(x=x, r=r, w=w, table=table, ids=ids, qkv=qkv, pos=pos, u=u, plain_rotary=plain_rotary,
+    ], dict(x=x, r=r, w=w, table=table, ids=ids, qkv=qkv, pos=pos, u=u, plain_rotary=plain_rotary, opcall=opcall,
             plain_add_ln=plain_add_ln, plain_glu=plain_glu)
 
 
 def forward_table(Ts) -> None:
     print("\n## forward, bf16 (err: max abs vs fp32 reference; kernel must be <= 2x plain bf16 + atol)")
-    print(f"{'op':17s} {'T':>6s} {'err kern':>9s} {'err ref':>9s} {'triton us':>10s} {'eager us':>9s} "
-          f"{'compiled us':>11s} {'triton GB/s':>11s} {'x eager':>8s} {'x comp':>7s}")
+    print(f"{'op':17s} {'T':>6s} {'err kern':>9s} {'err ref':>9s} | gpu us: {'triton':>7s} {'eager':>7s} "
+          f"{'compiled':>8s} {'GB/s':>6s} | call us: {'triton':>7s} {'op':>7s} {'eager':>7s}")
     for T in Ts:
-        cases, _ = _cases(T)
+        cases, d = _cases(T)
         for name, tri, plain, ref32, nbytes, reflow in cases:
             try:
                 e_k, e_r = _err(tri(), ref32()), _err(reflow(), ref32())
-                t_t, t_e = _ms(tri), _ms(plain)
-                t_c = _ms(torch.compile(plain, dynamic=False)) if T == max(Ts) else float("nan")  # compile once
-                print(f"{name:17s} {T:6d} {e_k:9.2e} {e_r:9.2e} {t_t*1e3:10.1f} {t_e*1e3:9.1f} {t_c*1e3:11.1f} "
-                      f"{nbytes / t_t / 1e6:11.0f} {t_e / t_t:8.2f} {t_c / t_t:7.2f}")
+                g_t, g_e = _ms(tri), _ms(plain)
+                g_c = _ms(torch.compile(plain, dynamic=False)) if T == max(Ts) else float("nan")  # compile once
+                c_t, c_o, c_e = _call_ms(tri), _call_ms(d["opcall"][name]), _call_ms(plain)
+                print(f"{name:17s} {T:6d} {e_k:9.2e} {e_r:9.2e} |         {g_t*1e3:7.1f} {g_e*1e3:7.1f} "
+                      f"{g_c*1e3:8.1f} {nbytes / g_t / 1e6:6.0f} |          {c_t*1e3:7.1f} {c_o*1e3:7.1f} {c_e*1e3:7.1f}")
             except Exception:
                 print(f"{name} T={T} FAILED\n{traceback.format_exc()}")
 
 
 def backward_table(T: int) -> None:
     print(f"\n## forward + backward, bf16, T={T} (grad err vs fp32 autograd of the reference)")
-    print(f"{'op':17s} {'err kern':>9s} {'err ref':>9s} {'triton us':>10s} {'eager us':>9s} {'x eager':>8s}")
+    print(f"{'op':17s} {'err kern':>9s} {'err ref':>9s} | gpu us: {'triton':>7s} {'eager':>7s} {'x':>5s} | call us: {'triton':>7s} {'eager':>7s}")
     _, d = _cases(T)
     ops = get_ops("triton", "cuda")
     w = d["w"]
@@ -154,8 +179,10 @@ def backward_table(T: int) -> None:
             g32 = run(ref, [t.float() for t in leaves], cot32)
             e_k = max(_err(a, b) for a, b in zip(run(tri, leaves, cot), g32))
             e_r = max(_err(a, b) for a, b in zip(run(ref, leaves, cot), g32))
-            t_t, t_e = _ms(lambda: run(tri, leaves, cot)), _ms(lambda: run(plain, leaves, cot))
-            print(f"{name:17s} {e_k:9.2e} {e_r:9.2e} {t_t*1e3:10.1f} {t_e*1e3:9.1f} {t_e / t_t:8.2f}")
+            ft, fe = (lambda: run(tri, leaves, cot)), (lambda: run(plain, leaves, cot))
+            t_t, t_e = _ms(ft), _ms(fe)
+            print(f"{name:17s} {e_k:9.2e} {e_r:9.2e} |         {t_t*1e3:7.1f} {t_e*1e3:7.1f} {t_e / t_t:5.2f} |"
+                  f"          {_call_ms(ft)*1e3:7.1f} {_call_ms(fe)*1e3:7.1f}")
         except Exception:
             print(f"{name} FAILED\n{traceback.format_exc()}")
 
@@ -167,7 +194,7 @@ def _lengths(n, median, sigma, lo, hi, seed=0):
 
 
 def attention_table() -> None:
-    print("\n## varlen attention, bf16, H=12 K=64 (us per call; err vs the first impl)")
+    print("\n## varlen attention, bf16, H=12 K=64 (gpu us / call us; err vs the first impl)")
     packs = {"query 128x~24": _lengths(128, 24, 0.5, 4, 128), "doc 32x~350": _lengths(32, 350, 0.7, 32, 2048),
              "doc 64k budget": _lengths(180, 350, 0.7, 32, 2048), "long 8x~4096": _lengths(8, 4096, 0.4, 1024, 8192)}
     for pname, lengths in packs.items():
@@ -182,7 +209,8 @@ def attention_table() -> None:
                 try:
                     out = fn(q, k, v, cu, Lmax, window)
                     first = out if first is None else first
-                    cells.append(f"{name}={_ms(lambda: fn(q, k, v, cu, Lmax, window))*1e3:.1f} (err {_err(out, first):.1e})")
+                    f = lambda: fn(q, k, v, cu, Lmax, window)  # noqa: E731
+                    cells.append(f"{name}={_ms(f)*1e3:.1f}/{_call_ms(f)*1e3:.1f} (err {_err(out, first):.1e})")
                 except Exception as e:
                     cells.append(f"{name}=FAILED {type(e).__name__}: {e}")
             print(f"{pname:15s} T={T:6d} window={window}: " + ", ".join(cells))
@@ -219,7 +247,7 @@ def encode_table() -> None:
     from benchmarks import baseline_modernbert as B
     from packedenc.models.modernbert import ModernBertConfig, init
 
-    print("\n## ModernBERT-base encode, bf16, random weights (real tokens/s, ms per call)")
+    print("\n## ModernBERT-base encode, bf16, random weights: gpu = CUDA-graph replay, call = eager")
     params = pe.tree_to(init(ModernBertConfig(), torch.Generator().manual_seed(0), dtype=BF16), "cuda")
     state = B.prepare(params)
     for pname, lengths in {"query 128x~24": _lengths(128, 24, 0.5, 4, 128),
@@ -242,8 +270,9 @@ def encode_table() -> None:
                 with torch.no_grad():
                     out = fn()
                     cos = F.cosine_similarity(out.float(), base.float(), dim=-1).min().item()
-                    t = _ms(fn)
-                print(f"{pname:15s} T={T:6d} {name:34s} {t:8.2f} ms {T / t / 1e3:10.0f} tok/s  min cos vs baseline {cos:.5f}")
+                    g, c = _ms(fn), _call_ms(fn, 5)
+                print(f"{pname:15s} T={T:6d} {name:36s} gpu {g:7.2f} ms {T / g:7.0f}k tok/s | call {c:7.2f} ms "
+                      f"{T / c:7.0f}k tok/s | min cos vs baseline {cos:.5f}")
             except Exception:
                 print(f"{pname} {name} FAILED\n{traceback.format_exc()}")
 
@@ -256,8 +285,9 @@ def sweep(T: int) -> None:
     try:
         for target in (1024, 2048, 4096, 8192):
             L.row_tile = lambda width, target=target: orig_row_tile(width, target)
-            print(f"layer_norm target={target:5d} {orig_row_tile(D, target)}: {_ms(lambda: L.ln_fwd(x, w, None, EPS))*1e3:7.1f} us")
-        for bf, bt, nw in ((256, 8, 4), (128, 16, 4), (512, 4, 4), (256, 16, 8), (1024, 2, 4)):
+            print(f"layer_norm target={target:5d} {orig_row_tile(D, target)}: {_ms(lambda: L.ln_fwd(x, w, None, EPS))*1e3:7.1f} us"
+                  f"  bwd {_ms(lambda: L.ln_bwd(x, x, w, EPS))*1e3:7.1f} us")
+        for bf, bt, nw in ((256, 8, 4), (128, 16, 4), (128, 8, 4), (64, 32, 4), (128, 32, 8)):
             G._tile = lambda T_, F_, bf=bf, bt=bt, nw=nw: ((math.ceil(T_ / bt), math.ceil(F_ / bf)), bt, bf, nw)
             print(f"glu BLOCK_F={bf:4d} BLOCK_T={bt:2d} warps={nw}: {_ms(lambda: G.glu_fwd(u))*1e3:7.1f} us")
     finally:

@@ -94,3 +94,30 @@ def test_gpu_fused_ops_replay_in_a_cuda_graph():
     graph.replay()
     for a, b in zip(outs, f()):
         assert torch.equal(a, b)
+
+
+def test_direct_launch_only_for_plain_cuda_inference():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from packedenc.kernels.triton._common import direct_launch
+
+    assert not direct_launch(torch.randn(3))  # CPU: the registered op (reference)
+    with FakeTensorMode():
+        assert not direct_launch(torch.empty(3, device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_equals_the_registered_op():
+    from packedenc.kernels.triton._common import direct_launch
+
+    ops = get_ops("triton", "cuda")
+    P = torch.ops.packedenc
+    x, r = torch.randn(70, 96, device="cuda", dtype=torch.bfloat16), torch.randn(70, 96, device="cuda", dtype=torch.bfloat16)
+    w, ids = torch.randn(96, device="cuda", dtype=torch.bfloat16), torch.randint(0, 70, (33,), device="cuda")
+    qkv, pos = torch.randn(70, 3, 2, 48, device="cuda", dtype=torch.bfloat16), torch.arange(70, device="cuda")
+    assert direct_launch(x, w) and not direct_launch(x, w.clone().requires_grad_())
+    assert torch.equal(ops.layer_norm(x, w, None, 1e-5), P.layer_norm(x, w, None, 1e-5))
+    assert all(torch.equal(a, b) for a, b in zip(ops.add_layer_norm(x, r, w, w, 1e-5), P.add_layer_norm(x, r, w, w, 1e-5)))
+    assert torch.equal(ops.embed_layer_norm(ids, x, w, None, 1e-5), P.embed_layer_norm(ids, x, w, None, 1e-5))
+    assert all(torch.equal(a, b) for a, b in zip(ops.rotary(qkv, pos, 1e4), P.rotary(qkv, pos, 1e4)))
+    assert torch.equal(ops.glu(x, "silu"), P.glu(x, "silu"))

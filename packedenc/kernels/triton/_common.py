@@ -43,3 +43,22 @@ def row_tile(width: int, target: int = 4096) -> tuple[int, int, int]:
     elems = block_t * block_d
     num_warps = 1 if elems <= 256 else 2 if elems <= 1024 else 4 if elems <= 4096 else 8 if elems <= 16384 else 16
     return block_t, block_d, num_warps
+
+
+def direct_launch(*tensors: Tensor | None) -> bool:
+    """True when an Ops-table call may launch its kernel directly, skipping the custom op.
+
+    That is eager inference on plain CUDA tensors: no torch.compile trace, no gradient needed, no
+    functorch transform or tensor subclass / dispatch mode (FakeTensor) in play. The custom-op
+    dispatcher costs tens of microseconds of host time per call, which decides the speed of short
+    batches; compile, autograd and the CPU keep going through the registered op.
+    """
+    x = tensors[0]
+    if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    try:
+        return torch._C._len_torch_dispatch_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
+    except AttributeError:  # private hooks moved: take the registered op, always correct
+        return False

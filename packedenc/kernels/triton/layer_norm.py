@@ -6,8 +6,9 @@ Forward `_ln_fwd_kernel`: a program normalises BLOCK_T whole rows held in regist
 statistics with the centred (two-pass) variance, one rounding. With a residual it first rounds
 x + residual to the activation dtype, exactly as two eager ops would, stores that sum (the new
 residual) and normalises it. With ids it gathers the rows from the embedding table instead.
-Backward `_ln_bwd_kernel`: P programs each own a fixed contiguous range of rows, recompute the
-statistics, write dx and one fp32 partial row of dweight / dbias; torch sums the P partials.
+Backward `_ln_bwd_kernel`: P <= 1024 programs each own a fixed contiguous range of row tiles,
+recompute the statistics, write dx and one fp32 partial row of dweight / dbias; torch sums the
+P partials.
 The partition depends only on T, so the backward is deterministic (no atomics).
 
 Each op is a `torch.library.custom_op` whose CPU implementation is `kernels/reference.py` and whose
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels import reference_bwd
-from packedenc.kernels.triton._common import check_float, row_tile, rows
+from packedenc.kernels.triton._common import check_float, direct_launch, row_tile, rows
 
 __all__ = ["layer_norm", "add_layer_norm", "embed_layer_norm", "ln_fwd", "ln_bwd"]
 
@@ -88,49 +89,48 @@ def _ln_bwd_kernel(
     DW,  # (P, D) fp32 out: per-program partial sum of dy * xhat
     DB,  # (P, D) fp32 out: per-program partial sum of dy
     T, V, D,
-    rows_per_prog,
+    tiles_per_prog,  # each program owns tiles [pid * tiles_per_prog, (pid + 1) * tiles_per_prog)
     stride_dy, stride_x, stride_ds, stride_dx,
     eps,
     HAS_DSUM: tl.constexpr,
     GATHER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     col = tl.arange(0, BLOCK_D)
     cmask = col < D
-    w = tl.load(W + col, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    db = tl.zeros([BLOCK_D], dtype=tl.float32)
-    start = pid.to(tl.int64) * rows_per_prog
-    for i in range(0, rows_per_prog):
-        row = start + i
-        # Row conditions are broadcast to vectors before combining with the column mask: the
-        # interpreter rejects a scalar-and-vector mask.
-        zero = tl.zeros([BLOCK_D], dtype=tl.int64)
-        m = cmask & ((row + zero) < T)
+    w = tl.load(W + col, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    db = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    first = pid.to(tl.int64) * tiles_per_prog * BLOCK_T
+    for i in range(0, tiles_per_prog):
+        row = first + i * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        rmask = row < T
+        mask = rmask[:, None] & cmask[None, :]
         if GATHER:
-            src = tl.load(IDS + tl.minimum(row, T - 1)).to(tl.int64)
-            xm = m & ((src + zero) >= 0) & ((src + zero) < V)
+            src = tl.load(IDS + row, mask=rmask, other=0).to(tl.int64)
+            xmask = mask & ((src >= 0) & (src < V))[:, None]
         else:
             src = row
-            xm = m
-        x = tl.load(X + src * stride_x + col, mask=xm, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + col, mask=m, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / D
-        xc = tl.where(cmask, x - mean, 0.0)
-        rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / D + eps)
-        xhat = xc * rstd
+            xmask = mask
+        x = tl.load(X + src[:, None] * stride_x + col[None, :], mask=xmask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row[:, None] * stride_dy + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / D
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)
+        xhat = xc * rstd[:, None]
         wdy = w * dy
-        c1 = tl.sum(xhat * wdy, axis=0) / D
-        c2 = tl.sum(wdy, axis=0) / D
-        dx = (wdy - (xhat * c1 + c2)) * rstd
+        c1 = tl.sum(xhat * wdy, axis=1) / D
+        c2 = tl.sum(wdy, axis=1) / D
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DSUM:
-            dx += tl.load(DSUM + row * stride_ds + col, mask=m, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + col, dx.to(DX.dtype.element_ty), mask=m)
+            dx += tl.load(DSUM + row[:, None] * stride_ds + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
-    tl.store(DW + pid.to(tl.int64) * D + col, dw, mask=cmask)
-    tl.store(DB + pid.to(tl.int64) * D + col, db, mask=cmask)
+    tl.store(DW + pid.to(tl.int64) * D + col, tl.sum(dw, axis=0), mask=cmask)
+    tl.store(DB + pid.to(tl.int64) * D + col, tl.sum(db, axis=0), mask=cmask)
 
 
 # ---- launchers (device-agnostic: CUDA, or CPU tensors under TRITON_INTERPRET=1) ----------------
@@ -180,21 +180,21 @@ def ln_bwd(
     dy2, x2 = rows(dy), rows(x)
     T = dy2.shape[0]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    P = max(1, min(T, 512))  # fixed by T alone: deterministic partial sums
-    rows_per_prog = triton.cdiv(T, P) if T else 1
-    P = triton.cdiv(T, rows_per_prog) if T else 1
-    dw = torch.zeros((P, D), dtype=torch.float32, device=x.device)
+    BLOCK_T, BLOCK_D, num_warps = row_tile(D)
+    n_tiles = triton.cdiv(T, BLOCK_T)
+    tiles_per_prog = max(1, triton.cdiv(n_tiles, 1024))  # fixed by T alone: deterministic sums
+    P = max(1, triton.cdiv(n_tiles, tiles_per_prog))
+    dw = torch.zeros((P, D), dtype=torch.float32, device=x.device)  # zeros: T == 0 launches nothing
     db = torch.zeros((P, D), dtype=torch.float32, device=x.device)
     if T:
         ds2 = rows(dsum) if dsum is not None else dy2
-        BLOCK_D = triton.next_power_of_2(D)
-        num_warps = 1 if BLOCK_D <= 512 else 4 if BLOCK_D <= 4096 else 8
         _ln_bwd_kernel[(P,)](
             dy2, x2, ids.contiguous() if ids is not None else dy2, weight.contiguous(), ds2, dx, dw, db,
-            T, x2.shape[0], D, rows_per_prog,
+            T, x2.shape[0], D, tiles_per_prog,
             dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
             eps,
-            HAS_DSUM=dsum is not None, GATHER=ids is not None, BLOCK_D=BLOCK_D, num_warps=num_warps,
+            HAS_DSUM=dsum is not None, GATHER=ids is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+            num_warps=num_warps,
         )
     return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
 
@@ -324,6 +324,8 @@ _embed_layer_norm.register_autograd(_embed_ln_backward, setup_context=_embed_ln_
 
 def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
     """LayerNorm over the last dim: fp32 statistics, one rounding (see `reference.layer_norm`)."""
+    if direct_launch(x_TD, weight, bias):
+        return ln_fwd(x_TD, weight, bias, eps)[0]
     return torch.ops.packedenc.layer_norm(x_TD, weight, bias, eps)
 
 
@@ -331,6 +333,8 @@ def add_layer_norm(
     x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor]:
     """(LayerNorm(x + residual), x + residual), the sum rounded before the statistics."""
+    if direct_launch(x_TD, residual_TD, weight, bias):
+        return ln_fwd(x_TD, weight, bias, eps, residual=residual_TD)
     return torch.ops.packedenc.add_layer_norm(x_TD, residual_TD, weight, bias, eps)
 
 
@@ -339,4 +343,6 @@ def embed_layer_norm(
 ) -> Tensor:
     """LayerNorm(table[ids]) without materialising the gathered rows. Ids outside [0, V) are
     rejected by `encode`'s input checks; the kernel reads zeros for them rather than fault."""
+    if direct_launch(table_VD, weight, bias) and ids_T.is_cuda:
+        return ln_fwd(table_VD, weight, bias, eps, ids=ids_T)[0].view(*ids_T.shape, table_VD.shape[-1])
     return torch.ops.packedenc.embed_layer_norm(ids_T, table_VD, weight, bias, eps)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels import reference_bwd
-from packedenc.kernels.triton._common import check_float
+from packedenc.kernels.triton._common import check_float, direct_launch
 
 __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]
 
@@ -188,4 +188,6 @@ def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float =
 
     Return: q_THK, k_THK contiguous in qkv's dtype (v is left to the caller: qkv[:, 2]).
     """
+    if direct_launch(qkv_T3HK):
+        return rotary_fwd(qkv_T3HK, positions_T, theta, scaling)
     return torch.ops.packedenc.rotary(qkv_T3HK, positions_T, theta, scaling)
