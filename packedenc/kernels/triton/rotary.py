@@ -74,6 +74,7 @@ def _rotary_kernel(
     tl.store(ok + J, (k2 * c + k1 * s).to(dt), mask=mask)
 
 
+TILE_ELEMS = 2048  # frequencies x heads x tokens per program (benchmarks/bench_ops.py --sweep)
 _INV_FREQ: dict[tuple[int, float, torch.device], Tensor] = {}
 
 
@@ -97,7 +98,7 @@ def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, t
     J = K // 2
     BLOCK_J = triton.next_power_of_2(J)
     BLOCK_H = min(triton.next_power_of_2(H), max(1, 1024 // BLOCK_J))
-    BLOCK_T = max(1, min(64, 2048 // (BLOCK_H * BLOCK_J)))
+    BLOCK_T = max(1, min(64, TILE_ELEMS // (BLOCK_H * BLOCK_J)))
     num_warps = 4 if BLOCK_T * BLOCK_H * BLOCK_J >= 2048 else 2
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
     _rotary_kernel[grid](
