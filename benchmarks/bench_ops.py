@@ -281,6 +281,8 @@ def sweep(T: int) -> None:
     print(f"\n## tile sweep, T={T}")
     _, d = _cases(T)
     x, w, u = d["x"], d["w"], d["u"]
+    from packedenc.kernels.triton import rotary as RO
+
     orig_row_tile, orig_glu_tile = L.row_tile, G._tile
     try:
         for target in (1024, 2048, 4096, 8192):
@@ -290,8 +292,6 @@ def sweep(T: int) -> None:
         for bf, bt, nw in ((256, 8, 4), (128, 16, 4), (128, 8, 4), (64, 32, 4), (128, 32, 8)):
             G._tile = lambda T_, F_, bf=bf, bt=bt, nw=nw: ((math.ceil(T_ / bt), math.ceil(F_ / bf)), bt, bf, nw)
             print(f"glu BLOCK_F={bf:4d} BLOCK_T={bt:2d} warps={nw}: {_ms(lambda: G.glu_fwd(u))*1e3:7.1f} us")
-        from packedenc.kernels.triton import rotary as RO
-
         for elems in (1024, 2048, 4096, 8192):
             RO.TILE_ELEMS = elems
             print(f"rotary TILE_ELEMS={elems:5d}: {_ms(lambda: RO.rotary_fwd(d['qkv'], d['pos'], 1e4))*1e3:7.1f} us")
