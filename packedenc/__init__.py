@@ -72,6 +72,9 @@ def encode(params: Any, *args: Any, **kwargs: Any) -> Any:
     For token models (ModernBERT, DeBERTa, BERT):
         encode(params, ids, cu_seqlens, max_seqlen=None, positions=None, *, backend="auto", validate=False)
         ids: (T,) int, cu_seqlens: (S+1,) int32, max_seqlen: host int -> hidden states (T, D).
+    For the graph transformer (GiGL's GraphTransformerEncoder):
+        encode(params, x, cu_seqlens, max_seqlen=None, *, hops=None, node_types=None, key_features=None,
+               return_tokens=False, ...) -> one embedding per sequence (S, out_dim), anchor first.
     See the family module's `encode` (packedenc.models.<family>.encode) for the extras it takes.
     """
     return family_of(params).encode(params, *args, **kwargs)

@@ -337,4 +337,4 @@ def test_gpu_graph_attention_equals_reference(dtype, anchors_only, bias):
     got = graph_attention_cuda(lowp(q), lowp(k), lowp(v), cq, cu, mq, 256, kb)
     ref_lowp = reference.graph_attention(lowp(q), lowp(k), lowp(v), cq, cu, mq, 256, lowp(kb))
     err, err_ref = (got.float() - want).abs().max(), (ref_lowp.float() - want).abs().max()
-    assert err <= 2 * err_ref + 1e-5, (err, err_ref)
+    assert err <= 2 * err_ref + 5e-5, (err, err_ref)
