@@ -6,19 +6,16 @@ without bias / activation), Normalize, prompts, a RoBERTa backbone and a PyLate 
 """
 
 import json
-import os
 import shutil
 import warnings
 
 import pytest
 import torch
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # nothing below may reach the network
-
-import packedenc as pe  # noqa: E402
-from packedenc.sentence_transformers import Dense, Normalize, Pooling, SkipTokens  # noqa: E402
-from packedenc.tokenize import TruncationWarning  # noqa: E402
-from tests.texts import sentences  # noqa: E402
+import packedenc as pe
+from packedenc.sentence_transformers import Dense, Normalize, Pooling, SkipTokens
+from packedenc.tokenize import TruncationWarning
+from tests.texts import sentences
 
 st = pytest.importorskip("sentence_transformers")
 transformers = pytest.importorskip("transformers")
@@ -36,6 +33,17 @@ except ImportError:  # pragma: no cover
 
 MINILM = gt.get_model_path()
 TEXTS = ["A man is eating food.", "Ça va? 日本語のテキスト!", "word " * 80, "x", "Punctuation!!! (yes)."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    """No network: HF_HUB_OFFLINE plus huggingface_hub's constant, which was read at its import."""
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
 
 
 @pytest.fixture(scope="module")

