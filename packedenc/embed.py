@@ -179,6 +179,7 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
                                                      max_length=max_length, truncate=truncate)
                 cut_total.extend(chunk[j] for j in cut)
                 limit_used[0] = limit
+                _check_vocab(ids, model)
                 by_len = sorted(range(len(chunk)), key=lambda j: -len(ids[j]))
                 for b in token_budget_batches([len(ids[j]) for j in by_len], max_tokens):
                     sel = [by_len[k] for k in b]
@@ -208,6 +209,18 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
     finally:
         stop.set()
         worker.join(timeout=5)
+
+
+def _check_vocab(ids: list[list[int]], model: SentenceModel) -> None:
+    """Host-side guard (the ids are still Python ints): a tokenizer that does not belong to the
+    weights would otherwise index past the embedding table on the device."""
+    vocab = getattr(model.params.config, "vocab_size", None)
+    top = max((max(x) for x in ids if x), default=-1)
+    if vocab is not None and top >= vocab:
+        raise InputError(
+            f"the tokenizer produced id {top} but the model's vocabulary has {vocab} entries: the tokenizer "
+            f"files in {model.folder} do not belong to these weights"
+        )
 
 
 def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None = None, query: bool = False,

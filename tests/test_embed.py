@@ -120,3 +120,29 @@ def test_bad_arguments(tiny, tmp_path):
         run(str(tmp_path / "no_tok"), ["x"])
     with pytest.raises(pe.ConfigError, match="query=True is for multi-vector"):
         run(tiny, ["x"], query=True)
+
+
+def test_tokenizer_that_does_not_fit_the_weights(tmp_path):
+    cfg = bert.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          intermediate_size=48, max_position_embeddings=64)
+    pe.save(pe.init(cfg), tmp_path, copy_tokenizer_from=MINILM)  # MiniLM ids go up to 30521
+    with pytest.raises(pe.InputError, match="vocabulary has 1000 entries"):
+        run(str(tmp_path), ["zebra"])
+
+
+def test_other_families_embed_too(tmp_path):
+    """embed() is family-agnostic: a ModernBERT backbone behind the same tokenizer and pooling."""
+    from packedenc.models import modernbert
+
+    cfg = modernbert.ModernBertConfig(vocab_size=30522, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, local_attention=8, pad_token_id=0, bos_token_id=101,
+                                      eos_token_id=102, cls_token_id=101, sep_token_id=102)
+    params = pe.init(cfg, torch.Generator().manual_seed(0))
+    pe.save(params, tmp_path, copy_tokenizer_from=MINILM)
+    texts = ["a short one", "a somewhat longer text that crosses the local attention window of eight tokens"]
+    out = run(str(tmp_path), texts, device="cpu", max_tokens=8)
+    ref = []
+    for t in texts:
+        b = pe.pack_texts(str(tmp_path), [t])
+        ref.append(pe.encode(params, b.ids, b.cu_seqlens, backend="reference").mean(0))
+    torch.testing.assert_close(out, torch.stack(ref), atol=1e-5, rtol=1e-5)
