@@ -198,14 +198,21 @@ def tokenizer(model_or_folder: Any, *, max_length: int | None = None) -> Tokeniz
         `Tokenizer`.
     """
     if isinstance(model_or_folder, Tokenizer):
+        limit = model_or_folder.max_length
+        if max_length is not None and limit is not None and max_length > limit:
+            raise InputError(f"max_length={max_length} exceeds this model's limit of {limit} tokens")
         return model_or_folder if max_length is None else dataclasses.replace(
-            model_or_folder, max_length=max_length, _cache={})
+            model_or_folder, max_length=max_length, _cache={}, _lock=threading.Lock())
     inner = getattr(model_or_folder, "tokenizer", None)
     if isinstance(inner, Tokenizer):
         return tokenizer(inner, max_length=max_length)
     if type(model_or_folder).__module__.startswith("tokenizers"):
-        model_or_folder.no_padding()
-        return Tokenizer(model_or_folder, max_length)
+        from tokenizers import Tokenizer as _Tok
+
+        backend = _Tok.from_str(model_or_folder.to_str())  # a copy: the caller's object stays as it was
+        backend.no_padding()
+        backend.no_truncation()
+        return Tokenizer(backend, max_length)
     if not isinstance(model_or_folder, (str, os.PathLike)):
         raise TypeError(
             f"tokenizer() needs a model folder, a hub id or a loaded model, got {type(model_or_folder).__name__}; "

@@ -174,3 +174,15 @@ def test_spm_without_sentencepiece_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # import fails as if not installed
     with pytest.raises(pe.CheckpointError, match=r"pip install 'packedenc\[sentencepiece\]'"):
         pe.tokenizer(tmp_path)
+
+
+def test_wrap_a_tokenizers_object_and_override_the_limit():
+    from tokenizers import Tokenizer as RawTokenizer
+
+    raw = RawTokenizer.from_file(str(MINILM / "tokenizer.json"))  # carries padding to 128
+    tok = pe.tokenizer(raw, max_length=16)
+    assert raw.padding is not None  # the caller's object is not modified
+    assert pe.pack_texts(tok, ["a b c"]).lengths.tolist() == [5]  # no padding to 128
+    shorter = pe.tokenizer(pe.tokenizer(MINILM), max_length=8)
+    with pytest.warns(TruncationWarning):
+        assert pe.pack_texts(shorter, ["one two three four five six seven eight"]).lengths.tolist() == [8]
