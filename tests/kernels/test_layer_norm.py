@@ -80,8 +80,8 @@ def test_forward_and_backward_are_deterministic():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["plain", "dsum", "gather"])
-def test_backward_kernel_matches_reference_backward(dtype, mode):
-    D = 40
+@pytest.mark.parametrize("D", [40, 600])  # 40: 16-row tiles; 600: one 1024-wide row per tile
+def test_backward_kernel_matches_reference_backward(dtype, mode, D):
     x, w, _ = _inputs(T_CPU, D, dtype)
     dy = torch.randn(T_CPU, D).to(DEVICE, dtype)
     dsum = torch.randn(T_CPU, D).to(DEVICE, dtype) if mode == "dsum" else None
