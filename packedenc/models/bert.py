@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
 from packedenc.kernels.reference import check_activation
-from packedenc.models.common import prepare_inputs
+from packedenc.models.common import dropout, mix_seed, prepare_inputs
 from packedenc.packing import pool_first
-from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static
+from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static, tree_cast
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
@@ -47,6 +48,8 @@ class BertConfig:
     type_vocab_size: int = 2
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-12
+    hidden_dropout_prob: float = 0.1  # training only (with `dropout_seed`), as HF's train mode
+    attention_probs_dropout_prob: float = 0.1
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -247,7 +250,7 @@ def params_spec(cfg: BertConfig, *, heads: tuple[str, ...] = ("pooler",)) -> Ber
 # ---- forward ----------------------------------------------------------------------------------
 
 
-def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: Tensor | None,
+def embed_tokens(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: Tensor | None,
           cfg: BertConfig, ops: Ops) -> Tensor:
     """word + token type + position embeddings, then LayerNorm (HF's order of additions)."""
     x_TD = F.embedding(ids_T, p.word_embeddings.weight)
@@ -259,22 +262,37 @@ def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: T
     return ops.layer_norm(x_TD, p.layer_norm.weight, p.layer_norm.bias, cfg.layer_norm_eps)
 
 
-def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, cfg: BertConfig, ops: Ops) -> Tensor:
-    """One post-norm BERT layer over a padding-free buffer. Pure: returns a new tensor."""
+def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, cfg: BertConfig, ops: Ops,
+          i: int = 0, seed: int | None = None) -> Tensor:
+    """One post-norm BERT layer over a padding-free buffer. Pure: returns a new tensor.
+    `seed` turns on HF's train-mode dropout sites (attention probs, both sub-layer outputs)."""
     T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
     qkv_T3HK = ops.linear(x_TD, p.attention.qkv.weight, p.attention.qkv.bias).view(T, 3, H, K)
     q_THK, k_THK, v_THK = qkv_T3HK.unbind(1)
-    o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen)
+    o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, **_attention_dropout(cfg, ops, seed, i))
     o = p.attention.output
-    a_TD = ops.linear(o_THK.reshape(T, H * K), o.dense.weight, o.dense.bias)
+    a_TD = dropout(ops.linear(o_THK.reshape(T, H * K), o.dense.weight, o.dense.bias), cfg.hidden_dropout_prob, seed, i, 1)
     x_TD, _ = ops.add_layer_norm(a_TD, x_TD, o.layer_norm.weight, o.layer_norm.bias, cfg.layer_norm_eps)
 
-    i = p.intermediate.dense
-    h_TF = ops.activation(ops.linear(x_TD, i.weight, i.bias), cfg.hidden_act)
+    d = p.intermediate.dense
+    h_TF = ops.activation(ops.linear(x_TD, d.weight, d.bias), cfg.hidden_act)
     o = p.output
-    m_TD = ops.linear(h_TF, o.dense.weight, o.dense.bias)
+    m_TD = dropout(ops.linear(h_TF, o.dense.weight, o.dense.bias), cfg.hidden_dropout_prob, seed, i, 2)
     x_TD, _ = ops.add_layer_norm(m_TD, x_TD, o.layer_norm.weight, o.layer_norm.bias, cfg.layer_norm_eps)
     return x_TD
+
+
+def _attention_dropout(cfg: BertConfig, ops: Ops, seed: int | None, i: int) -> dict[str, Any]:
+    if seed is None or cfg.attention_probs_dropout_prob == 0:
+        return {}
+    if dict(ops.chosen)["varlen_attention"] != "reference":
+        raise ConfigError(
+            f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob} in training needs "
+            "backend='reference' for attention (the flash varlen kernels take no dropout here); or set it "
+            "to 0: dataclasses.replace(params, config=dataclasses.replace(params.config, "
+            "attention_probs_dropout_prob=0.0))"
+        )
+    return {"dropout_p": cfg.attention_probs_dropout_prob, "dropout_seed": mix_seed(seed, i, 0)}
 
 
 def encode(
@@ -287,6 +305,9 @@ def encode(
     token_type_ids: Tensor | None = None,
     backend: str | Ops = "auto",
     validate: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    dropout_seed: int | None = None,
+    checkpoint: bool = False,
 ) -> Tensor:
     """Last hidden state of every packed token.
 
@@ -300,8 +321,12 @@ def encode(
         token_type_ids: (T,) segment ids (0 / 1 for sentence pairs); None means all 0.
         backend: "auto", "reference", "triton", "flash", "cute", or an `Ops` table.
         validate: check values of ids / cu_seqlens / token types even on a GPU (syncs).
+        compute_dtype: run in this dtype (e.g. bf16) while params stay in theirs (fp32 master weights).
+        dropout_seed: None = no dropout (inference). An int turns on the config's hidden / attention
+            dropout with masks derived from (seed, layer, site), reproducible under `checkpoint`.
+        checkpoint: recompute each layer in the backward pass instead of keeping its activations.
     Return:
-        (T, D) in the params' dtype.
+        (T, D) in the compute dtype (default: the params' dtype).
     """
     cfg = params.config
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
@@ -316,10 +341,17 @@ def encode(
         )
     if token_type_ids is not None:
         _check_token_types(token_type_ids, ids, cfg, validate)
+    if compute_dtype is not None:
+        params = tree_cast(params, compute_dtype)
     ops = get_ops(backend, ids.device)
-    x_TD = embed(params.embeddings, ids, positions, token_type_ids, cfg, ops)
-    for p in params.layers:
-        x_TD = layer(p, x_TD, cu_seqlens, max_seqlen, cfg, ops)
+    x_TD = embed_tokens(params.embeddings, ids, positions, token_type_ids, cfg, ops)
+    x_TD = dropout(x_TD, cfg.hidden_dropout_prob, dropout_seed, -1, 0)
+    for i, p in enumerate(params.layers):
+        args = (p, x_TD, cu_seqlens, max_seqlen, cfg, ops, i, dropout_seed)
+        if checkpoint and torch.is_grad_enabled():
+            x_TD = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+        else:
+            x_TD = layer(*args)
     return x_TD
 
 

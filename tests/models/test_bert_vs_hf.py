@@ -7,6 +7,7 @@ sequences and many sequences. Heads (pooler, MLM, sequence classification) and t
 round trip are checked against the same HF classes.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -205,3 +206,39 @@ def test_missing_head_errors():
         bert.mlm_logits(params, h)
     with pytest.raises(pe.ConfigError, match="no pooler"):
         bert.pooler(params, h, torch.tensor([0, 3], dtype=torch.int32))
+
+
+# ---- training switches (as ModernBERT's): compute dtype, seeded dropout, layer checkpointing ------
+
+
+def test_compute_dtype_dropout_and_checkpoint():
+    params = pe.init(bert.PRESETS["tiny"], torch.Generator().manual_seed(0))
+    b = pe.pack([[5, 6, 7, 8, 9], [10, 11]])
+    enc = lambda **k: pe.encode(params, b.ids, b.cu_seqlens, backend="reference", **k)  # noqa: E731
+    plain = enc()
+    half = enc(compute_dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and params.layers[0].attention.qkv.weight.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(half.float(), plain).min() > 0.99
+    a, a2, other = enc(dropout_seed=1), enc(dropout_seed=1), enc(dropout_seed=2)
+    assert torch.equal(a, a2) and not torch.allclose(a, other) and not torch.allclose(a, plain)
+
+    def grads(checkpoint):
+        leaves = [params.layers[0].attention.qkv.weight.detach().requires_grad_()]
+        p = dataclasses.replace(params, layers=(dataclasses.replace(params.layers[0], attention=dataclasses.replace(
+            params.layers[0].attention, qkv=pe.pytree.Linear(leaves[0], params.layers[0].attention.qkv.bias))),
+            *params.layers[1:]))
+        out = pe.encode(p, b.ids, b.cu_seqlens, backend="reference", dropout_seed=3, checkpoint=checkpoint)
+        out.square().sum().backward()
+        return leaves[0].grad
+
+    torch.testing.assert_close(grads(True), grads(False), atol=0, rtol=0)
+
+
+def test_attention_dropout_needs_the_reference_attention():
+    params = pe.init(bert.PRESETS["tiny"])
+    ops = pe.get_ops("reference")
+    fake_flash = dataclasses.replace(ops, chosen=tuple((o, "flash" if o == "varlen_attention" else b)
+                                                       for o, b in ops.chosen))
+    b = pe.pack([[5, 6, 7]])
+    with pytest.raises(pe.ConfigError, match="attention_probs_dropout_prob"):
+        pe.encode(params, b.ids, b.cu_seqlens, backend=fake_flash, dropout_seed=0)
