@@ -127,6 +127,15 @@ def test_bucket_reuse_refreshes_buffers():
     assert not torch.allclose(ox[:3], oy[:3])  # the second call did not replay stale inputs
 
 
+def test_buffers_made_in_inference_mode_still_work_outside_it():
+    g = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False)
+    x = ragged([5, 9, 3], seed=1)
+    with torch.inference_mode():
+        a = g(x.ids, x.cu_seqlens, x.max_seqlen)
+    b = g(x.ids, x.cu_seqlens, x.max_seqlen)  # writes the same buffers outside inference mode
+    assert torch.equal(a, b) and not b.is_inference()
+
+
 def test_lru_eviction():
     g = graphed(PARAMS, max_tokens=256, max_seqs=16, capture=False, max_graphs=2)
     small, mid, big = ragged([3]), ragged([3, 4, 5]), ragged([60, 60, 60])
