@@ -19,9 +19,10 @@ def _run(args, nproc=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(SCRIPT), *args]
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        # --standalone picks a free port, so concurrent test runs never collide
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(SCRIPT), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
