@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import torch
