@@ -29,6 +29,8 @@ def loss_fn(params, batch, labels):
 
 
 def main(out, mode):
+    import faulthandler
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang prints its stack instead of idling
     pdist.init()
     params = pe.init(CFG, torch.Generator().manual_seed(0), heads=("classifier",))
     seqs, labels = data()
