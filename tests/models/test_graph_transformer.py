@@ -307,6 +307,10 @@ def test_gpu_gradients_match_padded(name, dtype):
     ref_lowp = padded_grads(dtype)
     pc = tree_map(lambda t: t.to(dev, dtype).requires_grad_(), p)
     (encode(pc, x, cu, **kw).float() * w).sum().backward()
+    # Some gradients are exactly zero in exact arithmetic (a key-projection bias shifts every score
+    # of a query equally, and softmax ignores that), so bf16 noise there is judged against the
+    # scale of the layer's other gradients, not against zero.
+    scale = max(g.abs().max() for g in ref32.values())
     for path, t in named_leaves(pc):
         key = gigl_key(path, cfg)
         r = ref32[key]
@@ -314,7 +318,9 @@ def test_gpu_gradients_match_padded(name, dtype):
         if dtype == torch.float32:
             torch.testing.assert_close(t.grad, r, atol=2e-4, rtol=2e-4, msg=path)
         else:  # the 2x rule against the padded model run in bf16
-            assert err <= 2 * err_pad + 1e-3 * r.abs().max(), (path, float(err), float(err_pad))
+            vanishing = r.abs().max() < 1e-4 * scale
+            atol = 1e-3 * (scale if vanishing else r.abs().max())
+            assert err <= 2 * err_pad + atol, (path, float(err), float(err_pad))
 
 
 @pytest.mark.gpu
