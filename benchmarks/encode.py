@@ -81,7 +81,7 @@ def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
     hf = _hf_modernbert(host_params, dtype)
     return [
         PackedencSystem("packedenc", host_params, device),
-        GraphedSystem("packedenc+graphs", host_params, device, max_tokens=16384, max_seqs=256),
+        GraphedSystem("packedenc+graphs", host_params, device, max_tokens=32768, max_seqs=256),
         PackedFnSystem("torch-packed", host_params, device, baseline_modernbert.encode, baseline_modernbert.prepare),
         HFPaddedSystem("hf-sdpa", hf, device, pad_id=pad_id),
         HFPaddedSystem("hf-sdpa+compile", hf, device, compile=True, pad_id=pad_id),
