@@ -27,7 +27,7 @@ from torch import Tensor
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
 from packedenc.kernels.reference import check_activation
-from packedenc.models.common import dropout, mix_seed, prepare_inputs
+from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.packing import pool_first
 from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static, tree_cast
 
@@ -269,7 +269,8 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, cfg: Bert
     T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
     qkv_T3HK = ops.linear(x_TD, p.attention.qkv.weight, p.attention.qkv.bias).view(T, 3, H, K)
     q_THK, k_THK, v_THK = qkv_T3HK.unbind(1)
-    o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, **_attention_dropout(cfg, ops, seed, i))
+    drop = attention_dropout(cfg.attention_probs_dropout_prob, "attention_probs_dropout_prob", ops, seed, i)
+    o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, **drop)
     o = p.attention.output
     a_TD = dropout(ops.linear(o_THK.reshape(T, H * K), o.dense.weight, o.dense.bias), cfg.hidden_dropout_prob, seed, i, 1)
     x_TD, _ = ops.add_layer_norm(a_TD, x_TD, o.layer_norm.weight, o.layer_norm.bias, cfg.layer_norm_eps)
@@ -280,19 +281,6 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, cfg: Bert
     m_TD = dropout(ops.linear(h_TF, o.dense.weight, o.dense.bias), cfg.hidden_dropout_prob, seed, i, 2)
     x_TD, _ = ops.add_layer_norm(m_TD, x_TD, o.layer_norm.weight, o.layer_norm.bias, cfg.layer_norm_eps)
     return x_TD
-
-
-def _attention_dropout(cfg: BertConfig, ops: Ops, seed: int | None, i: int) -> dict[str, Any]:
-    if seed is None or cfg.attention_probs_dropout_prob == 0:
-        return {}
-    if dict(ops.chosen)["varlen_attention"] != "reference":
-        raise ConfigError(
-            f"attention_probs_dropout_prob={cfg.attention_probs_dropout_prob} in training needs "
-            "backend='reference' for attention (the flash varlen kernels take no dropout here); or set it "
-            "to 0: dataclasses.replace(params, config=dataclasses.replace(params.config, "
-            "attention_probs_dropout_prob=0.0))"
-        )
-    return {"dropout_p": cfg.attention_probs_dropout_prob, "dropout_seed": mix_seed(seed, i, 0)}
 
 
 def encode(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packedenc.errors import InputError
+from packedenc.errors import ConfigError, InputError
 from packedenc.packing import check_cu_seqlens, check_ids, positions_from_cu_seqlens
 from packedenc.pytree import ParamSpec, tree_map_specs
 
@@ -82,3 +82,20 @@ def dropout(x: Tensor, p: float, seed: int | None, *salt: int) -> Tensor:
     g.manual_seed(mix_seed(seed, *salt))
     keep = torch.rand(x.shape, generator=g, device=x.device) >= p
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def attention_dropout(p: float, field: str, ops: Any, seed: int | None, layer: int) -> dict[str, Any]:
+    """Keyword arguments that turn on dropout of the attention probabilities, or {} when off.
+
+    Only the reference attention takes a dropout mask; with another attention backend a training
+    config that asks for it is an error that says how to proceed, never a silent no-dropout.
+    """
+    if seed is None or p == 0.0:
+        return {}
+    if dict(ops.chosen)["varlen_attention"] != "reference":
+        raise ConfigError(
+            f"{field}={p} in training needs backend='reference' for attention (the flash varlen kernels "
+            f"take no dropout here); or set it to 0: dataclasses.replace(params, "
+            f"config=dataclasses.replace(params.config, {field}=0.0))"
+        )
+    return {"dropout_p": p, "dropout_seed": mix_seed(seed, layer, 0)}

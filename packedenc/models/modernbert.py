@@ -20,7 +20,7 @@ from packedenc.kernels import Ops, get_ops
 from packedenc.kernels.reference import check_activation
 import torch.utils.checkpoint
 
-from packedenc.models.common import dropout, mix_seed, prepare_inputs
+from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.packing import pool_first, pool_mean
 from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static, tree_cast
 
@@ -271,7 +271,7 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
         h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
     q_THK, k_THK = ops.rotary(qkv_T3HK, positions_T, theta)  # positions restart per sequence
-    attn_drop = {} if seed is None or cfg.attention_dropout == 0 else _attention_dropout(cfg, ops, seed, i)
+    attn_drop = attention_dropout(cfg.attention_dropout, "attention_dropout", ops, seed, i)
     o_THK = ops.varlen_attention(q_THK, k_THK, qkv_T3HK[:, 2], cu_seqlens, max_seqlen, window=window, **attn_drop)
     a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
     a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
@@ -280,15 +280,6 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     u_T2F = ops.linear(h_TD, p.mlp.wi.weight, p.mlp.wi.bias)  # (T, 2F): input half | gate half
     g_TF = dropout(ops.glu(u_T2F, cfg.hidden_activation), cfg.mlp_dropout, seed, i, 2)
     return ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias), residual_TD
-
-
-def _attention_dropout(cfg: ModernBertConfig, ops: Ops, seed: int, i: int) -> dict[str, Any]:
-    if dict(ops.chosen)["varlen_attention"] != "reference":
-        raise ConfigError(
-            f"attention_dropout={cfg.attention_dropout} in training needs backend='reference' for attention "
-            "(the flash varlen kernels take no dropout here); or set attention_dropout to 0"
-        )
-    return {"dropout_p": cfg.attention_dropout, "dropout_seed": mix_seed(seed, i, 0)}
 
 
 def encode(
