@@ -73,8 +73,8 @@ def attention_table(sweep: bool) -> None:
                     if tile is None and S * H * L * L * 4 <= 8e9:  # the dense (S, H, L, L) reference fits
                         ref = reference.varlen_attention(q.float(), k.float(), v.float(), cu, L, window)
                         e_ref = f"{_err(out, ref):.1e}/{_err(fa, ref):.1e}"
-                    name = "default " + str(A.tiles(L, window, K)) if tile is None else str(tile)
-                    auto = "triton" if A.prefer_triton(T, S, L, window) else "FA2"
+                    name = "default " + str(A.tiles(T, L, window, K)) if tile is None else str(tile)
+                    auto = "triton" if A.prefer_triton(window, K) else "FA2"
                     print(f"{pname:16s} {T:6d} {S:4d} {L:5d} {str(window):9s} {t_fa*1e3:7.1f} {t_tr*1e3:9.1f} "
                           f"{t_fa / t_tr:5.2f} {name:16s} {auto:6s} {_err(out, fa):10.1e} {e_ref:>19s}")
             except Exception:
@@ -119,7 +119,7 @@ def encode_table() -> None:
                     out = fn()
                     base = out if base is None else base
                     cos = F.cosine_similarity(out.float(), base.float(), dim=-1).min().item()
-                    g, c = _ms(fn), _call_ms(fn, 5)
+                    g, c = _ms(fn), _call_ms(fn, 20 if T < 16384 else 5)
                 print(f"{pname:15s} T={T:6d} {name:30s} gpu {g:7.2f} ms {T / g:7.0f}k tok/s | call {c:7.2f} ms "
                       f"{T / c:7.0f}k tok/s | min cos vs before {cos:.5f}")
             except Exception:

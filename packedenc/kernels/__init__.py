@@ -48,7 +48,8 @@ _BACKEND_MODULES = {
 
 # Per-op preference when backend="auto" on a CUDA device (first available wins).
 _AUTO_CUDA = {
-    "varlen_attention": ("flash", "triton"),
+    # the Triton forward kernel first: it hands gradients (and what it did not win) to flash
+    "varlen_attention": ("triton", "flash"),
     "graph_attention": ("flash",),
 }
 _AUTO_CUDA_DEFAULT = ("triton",)

@@ -39,7 +39,7 @@ def test_encode_compiles_fullgraph_on_cpu():
 
 
 @pytest.mark.gpu
-def test_gpu_auto_picks_triton_and_flash_and_logs_once(caplog):
+def test_gpu_auto_picks_triton_and_logs_once(caplog):
     from packedenc import kernels
 
     kernels._CHOSEN.pop(("auto", "cuda"), None)

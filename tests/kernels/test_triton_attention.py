@@ -102,10 +102,13 @@ def test_strided_v_from_a_fused_qkv():
 
 
 def test_auto_rule_uses_host_values_only():
-    assert A.prefer_triton(81_000, 180, 2048, (64, 64))  # windowed: always the kernel
-    assert A.prefer_triton(3_600, 128, 128, (-1, -1))  # short global
-    assert A.prefer_triton(14_000, 32, 2048, (-1, -1))  # doc pack: mean ~440
-    assert not A.prefer_triton(34_000, 8, 8192, (-1, -1))  # long global: FA2
+    assert A.prefer_triton((64, 64), 64) and A.prefer_triton((64, 64), 128)  # windowed: the kernel
+    assert A.prefer_triton((-1, -1), 64) and A.prefer_triton((-1, -1), 32)  # global, measured head dim
+    assert not A.prefer_triton((-1, -1), 128)  # global, larger head dims: FA2 (not measured)
+    assert A.tiles(81_000, 2048, (64, 64), 64) == A.TILE_WINDOW
+    assert A.tiles(3_600, 128, (-1, -1), 64) == A.TILE_SHORT
+    assert A.tiles(14_000, 2048, (-1, -1), 64) == A.TILE_MID
+    assert A.tiles(81_000, 2048, (-1, -1), 64) == A.TILE_LONG
 
 
 def test_gradients_go_to_the_flash_backend(monkeypatch):
@@ -162,7 +165,7 @@ def test_gpu_forward(dtype, window, H, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [A.TILE_WINDOW, A.TILE_SHORT, A.TILE_LONG, (32, 32, 4, 1)])
+@pytest.mark.parametrize("tile", [A.TILE_WINDOW, A.TILE_MID, A.TILE_LONG, (32, 32, 4, 1)])
 @pytest.mark.parametrize("window", [(-1, -1), (64, 64)])
 def test_gpu_every_tile(tile, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33) * 3  # query-like, blocks straddle many sequences

@@ -25,9 +25,9 @@ they belong to:
 Rows whose running max is still -inf (their keys start in a later tile) use 0 as the shift, so
 exp2 gives exact zeros rather than NaN.
 
-`varlen_attention` (the "triton" entry of the Ops table) is forward only: when autograd needs
-gradients it calls the flash backend (FA2, which has a backward). With the auto rule
-(`prefer_triton`) it also hands the shapes where FA2 measured faster to flash.
+`varlen_attention` (the "triton" entry of the Ops table, first for backend="auto") is forward
+only: when autograd needs gradients it calls the flash backend (FA2, which has a backward). Its
+rule (`prefer_triton`, host values only) also leaves to FA2 what was not measured faster here.
 """
 
 from __future__ import annotations
@@ -153,21 +153,25 @@ def _fwd_kernel(
 
 # ---- tiles and launcher ------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims <= 128, by kind of layer; measured on an
-# H200 (benchmarks/bench_attention.py --sweep, NOTES.md). Module-level so the sweep can override.
-TILE_WINDOW = (64, 64, 4, 2)
-TILE_SHORT = (64, 64, 4, 2)  # global layers, max_seqlen <= SHORT_SEQLEN
-TILE_LONG = (128, 64, 8, 2)  # global layers over longer sequences
-SHORT_SEQLEN = 256
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for head dims <= 128, from the H200 sweep at H=12,
+# K=64 (benchmarks/bench_attention.py --sweep, NOTES.md). Module-level so the sweep can override.
+TILE_WINDOW = (64, 32, 4, 2)  # local layers: 0.90-0.95x the time of 64 x 64 on every pack
+TILE_SHORT = (64, 32, 4, 2)  # global, max_seqlen <= SHORT_SEQLEN (query packs: 14.0 vs 15.4 us)
+TILE_MID = (64, 64, 4, 3)  # global, T < LONG_T: more programs per wave (doc 32 x ~350: 133 vs 146 us)
+TILE_LONG = (128, 64, 8, 3)  # global, T >= LONG_T: best from 34k to 81k tokens, lengths 256..8k
+SHORT_SEQLEN = 128
+LONG_T = 32768
 
 
-def tiles(max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple[int, int, int, int]:
+def tiles(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for one call, from host values only."""
     if head_dim > 128:  # fp32 accumulator of M x 256: keep register pressure down
         return 32, 32, 4, 1
     if window[0] >= 0 or window[1] >= 0:
         return TILE_WINDOW
-    return TILE_SHORT if max_seqlen <= SHORT_SEQLEN else TILE_LONG
+    if max_seqlen <= SHORT_SEQLEN:
+        return TILE_SHORT
+    return TILE_MID if T < LONG_T else TILE_LONG
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor) -> None:
@@ -197,7 +201,7 @@ def varlen_attention_fwd(
     left, right = int(window[0]), int(window[1])
     scale = Kd**-0.5 if scale is None else float(scale)
     assert scale > 0, f"varlen_attention: the Triton kernel needs scale > 0, got {scale}"
-    BM, BN, warps, stages = tile or tiles(max_seqlen, (left, right), Kd)
+    BM, BN, warps, stages = tile or tiles(T, max_seqlen, (left, right), Kd)
     cu = cu_seqlens if cu_seqlens.is_contiguous() else cu_seqlens.contiguous()
     _fwd_kernel[(triton.cdiv(T, BM), H)](
         q_THK, k_THK, v_THK, o, cu,
@@ -234,17 +238,19 @@ def _(q, k, v, cu_seqlens, max_seqlen, left, right, scale):
 
 # ---- the Ops-table entries ---------------------------------------------------------------------
 
-# The auto rule (host values only, no sync), from H200 measurements (benchmarks/NOTES.md):
-# the kernel for windowed layers, and for global layers while the mean sequence length T / S
-# stays at or below GLOBAL_MEAN_LEN; FA2 for global layers over long sequences.
-GLOBAL_MEAN_LEN = 1024
+# The auto rule (host values only, no sync), from the H200 measurements in benchmarks/NOTES.md
+# (bf16, H=12, K=64): with a window the kernel took 0.31-0.42x FA2's time on every pack (query,
+# doc, 64k doc budget, 8 x ~4k); global, 0.76-0.98x from 24-token queries to 8k-token sequences
+# (equal 256-token sequences: a tie, 1.01x). So there is no length crossover to encode; global
+# layers with head dims above 64 (not measured) stay on FA2.
+GLOBAL_MAX_HEAD_DIM = 64
 
 
-def prefer_triton(T: int, S: int, max_seqlen: int, window: tuple[int, int]) -> bool:
+def prefer_triton(window: tuple[int, int], head_dim: int) -> bool:
     """True where the Triton kernel measured faster than torch's FA2 varlen on an H200."""
     if window[0] >= 0 or window[1] >= 0:
         return True
-    return T <= GLOBAL_MEAN_LEN * max(S, 1)
+    return head_dim <= GLOBAL_MAX_HEAD_DIM
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
@@ -309,8 +315,8 @@ def varlen_attention(
     Per call, from host values only (no device sync):
       - a gradient is needed (grad mode on, an input requires grad): flash (FA2 forward and
         backward; this kernel has no backward);
-      - `prefer_triton(T, S, max_seqlen, window)`: the Triton kernel (windowed layers; global
-        layers of short sequences), else flash (global layers over long sequences);
+      - `prefer_triton(window, head_dim)`: the Triton kernel (windowed layers; global layers with
+        head dims <= 64), else flash (global layers with larger head dims, not measured);
       - fp32 or head dims FA2 does not take: the kernel (flash would use the dense reference).
     To run the kernel on every inference call, use `triton_varlen_attention`.
 
@@ -322,9 +328,8 @@ def varlen_attention(
     Return:
         (T, H, K) in q's dtype; fp32 softmax; a token never sees another sequence.
     """
-    T, S = q_THK.shape[0], cu_seqlens.numel() - 1
     fa2 = _flash_ok(q_THK)  # fp32 / odd head dims: FA2 would fall back to the dense reference
-    if (_needs_grad(q_THK, k_THK, v_THK) or (fa2 and not prefer_triton(T, S, max_seqlen, window))
+    if (_needs_grad(q_THK, k_THK, v_THK) or (fa2 and not prefer_triton(window, q_THK.shape[-1]))
             or (scale is not None and scale <= 0)):  # the kernel folds a positive scale into its max
         return _flash(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale)
     return triton_varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale)
