@@ -2,16 +2,20 @@
 
 `--model tiny` builds a 2-layer random ModernBERT on the fly (runs in seconds on a CPU); any other
 value is a folder or hub id loaded with `packedenc.load` (e.g. a base-size model on a GPU).
+Under torchrun, `distributed_device` joins the process group (one process per GPU, gloo for
+`--device cpu`); alone, it changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import torch
 
 import packedenc as pe
+from packedenc import distributed as pdist
 from packedenc.models import modernbert
 
 TINY = modernbert.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -81,6 +85,31 @@ def save_and_check(params, out: str | None) -> str:
     model = getattr(transformers, arch).from_pretrained(folder)  # the task class, heads included
     print(f"saved to {folder}; transformers loads it as {type(model).__name__}")
     return folder
+
+
+def distributed_device(device: str) -> str:
+    """Under torchrun: join the process group and return this rank's device ("cuda" becomes
+    cuda:LOCAL_RANK; "cpu" uses gloo). Alone: `device` as given, no process group."""
+    if "WORLD_SIZE" not in os.environ:
+        return device
+    dev = pdist.init("gloo" if device == "cpu" else None)
+    if pdist.rank() == 0:
+        print(f"data parallel over {pdist.world_size()} processes ({torch.distributed.get_backend()})")
+    return device if device == "cpu" else str(dev)
+
+
+def mean_over_ranks(x: torch.Tensor) -> float:
+    """The mean of a scalar over all ranks (each rank's loss is over its own share of the batch)."""
+    if not pdist.is_initialized():
+        return x.item()
+    x = x.detach().clone()
+    torch.distributed.all_reduce(x)  # SUM: gloo has no AVG
+    return x.item() / pdist.world_size()
+
+
+def finish() -> None:
+    if pdist.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def report(losses: list[float]) -> None:

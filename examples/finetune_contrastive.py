@@ -2,13 +2,22 @@
 
 Synthetic task: a document contains its query's tokens among noise, so a mean-pooled encoder can
 learn to match them. Run: python examples/finetune_contrastive.py [--model tiny|FOLDER] [--steps N]
+Data parallel, unchanged: torchrun --nproc_per_node 2 examples/finetune_contrastive.py --steps 10
+(each rank takes its share of every batch; DDP all-reduces the gradients; rank 0 prints and saves).
 """
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file (python / torchrun examples/...py): make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 import packedenc as pe
-from examples._train_common import (compute_dtype, load_model, optimizer, parser, random_sequences, report,
-                                    save_and_check, trainable)
+from examples._train_common import (compute_dtype, distributed_device, finish, load_model, mean_over_ranks, optimizer,
+                                    parser, random_sequences, report, save_and_check, trainable)
+from packedenc import distributed as pdist
 from packedenc.losses import info_nce
 
 
@@ -19,29 +28,37 @@ def make_batch(n: int, vocab: int, g: torch.Generator, device: str):
         noise = random_sequences(1, 10, 40, vocab, g)[0][1:-1]
         cut = int(torch.randint(0, len(noise) + 1, (1,), generator=g))
         docs.append([1, *noise[:cut], *q[1:-1], *noise[cut:], 2])
-    return pe.pack(queries, device=device), pe.pack(docs, device=device)
+    mine = pdist.rank_range(n)  # every rank draws the same global batch and keeps its share
+    return pe.pack([queries[i] for i in mine], device=device), pe.pack([docs[i] for i in mine], device=device)
+
+
+def contrastive_loss(params, q, d, dt):
+    hq = pe.encode(params, q.ids, q.cu_seqlens, q.max_seqlen, compute_dtype=dt)
+    hd = pe.encode(params, d.ids, d.cu_seqlens, d.max_seqlen, compute_dtype=dt)
+    return info_nce(pe.pool_mean(hq, q.cu_seqlens), pe.pool_mean(hd, d.cu_seqlens), temperature=0.05)
 
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    params = trainable(load_model(args.model, args.device))
-    opt = optimizer(params, args.lr)
+    args.device = distributed_device(args.device)
+    model = pdist.wrap(trainable(load_model(args.model, args.device)))  # DDP under torchrun, else a plain module
+    opt = optimizer(list(model.parameters()), args.lr)
     g = torch.Generator().manual_seed(args.seed)
-    vocab, dt = params.config.vocab_size, compute_dtype(args.device)
+    vocab, dt = pdist.unwrap(model).config.vocab_size, compute_dtype(args.device)
     losses = []
     for step in range(args.steps):
         q, d = make_batch(32, vocab, g, args.device)
-        hq = pe.encode(params, q.ids, q.cu_seqlens, q.max_seqlen, compute_dtype=dt)
-        hd = pe.encode(params, d.ids, d.cu_seqlens, d.max_seqlen, compute_dtype=dt)
-        loss = info_nce(pe.pool_mean(hq, q.cu_seqlens), pe.pool_mean(hd, d.cu_seqlens), temperature=0.05)
+        loss = model(contrastive_loss, q, d, dt)  # one forward per step, as DDP expects
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-        if step % 10 == 0 or step == args.steps - 1:
+        losses.append(mean_over_ranks(loss))
+        if pdist.rank() == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {losses[-1]:.4f}")
-    report(losses)
-    save_and_check(params, args.out)
+    if pdist.rank() == 0:
+        report(losses)
+        save_and_check(pdist.unwrap(model), args.out)
+    finish()
 
 
 if __name__ == "__main__":

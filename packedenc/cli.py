@@ -28,6 +28,8 @@ EPILOG_EMBED = """examples:
         ranks the texts by similarity to the query
   packedenc embed -m path/to/model -i corpus.txt -o vectors.npy
         one text per line in, a float32 (N, D) array out (also: .jsonl); '-i -' reads stdin
+  torchrun --nproc_per_node 8 -m packedenc.cli embed -m MODEL -i corpus.txt --out-dir shards/ -o vectors.npy
+        one process per GPU, resumable shards in shards/ (rerun to finish a stopped job), merged at the end
 """
 
 
@@ -201,6 +203,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
     import packedenc as pe
 
     texts = _read_texts(args)
+    if args.out_dir is not None:  # sharded, resumable, one process per GPU under torchrun
+        from packedenc import cli_shards
+
+        return cli_shards.embed_sharded(args, texts, sys.modules[__name__])
     _check_output(args.output)
     path = _model_path(args.model)
     name = "all-MiniLM-L6-v2 (bundled)" if path == _bundled() else args.model
@@ -228,6 +234,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
     else:
         print("(more than 12 texts: pass -o FILE.npy or -o FILE.jsonl to keep the vectors)")
     return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from packedenc import cli_shards
+
+    return cli_shards.cmd_merge(args, sys.modules[__name__])
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -336,6 +348,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from packedenc import cli_shards
     from packedenc.convert.__main__ import add_arguments as convert_arguments
 
     p = argparse.ArgumentParser(
@@ -371,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     e.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli_shards.add_embed_arguments(e)
     e.set_defaults(func=cmd_embed)
 
     c = sub.add_parser("convert", help="re-save a checkpoint as an HF folder (optionally cast)",
@@ -397,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=float, default=2.0, help="time to spend measuring (default 2)")
     b.add_argument("--backend", default="auto", help="auto, reference, triton, flash, cute")
     b.set_defaults(func=cmd_bench)
+    cli_shards.add_merge_parser(sub, cmd_merge)
     return p
 
 
