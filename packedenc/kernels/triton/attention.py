@@ -17,8 +17,10 @@ they belong to:
     are the one contiguous range [lo of its first row, hi of its last row), looped over in N-row
     tiles from exactly that start (no alignment: a 64-row block under a (64, 64) window reads
     M + 128 = 192 keys, every tile of a global block of a 24-token query pack ~2-4 sequences);
-  - every tile is masked per row by [lo_i, hi_i), which also keeps sequences apart: a row never
-    mixes in a key of another sequence (isolation holds for any tiling);
+  - tiles that cross some row's bound are masked per row by [lo_i, hi_i), which also keeps
+    sequences apart: a row never mixes in a key of another sequence (isolation holds for any
+    tiling); tiles inside every row's range (the interior of a long sequence, the middle tile
+    of a window) skip the compares;
   - scores q k^T by tl.dot (bf16/fp16 inputs, fp32 accumulate; exact fp32 for fp32 inputs),
     online softmax in fp32 with exp2 and scale * log2(e) folded into one multiply, P rounded to
     v's dtype for P V (as FA2), one rounding of the output.
@@ -239,10 +241,10 @@ def _(q, k, v, cu_seqlens, max_seqlen, left, right, scale):
 # ---- the Ops-table entries ---------------------------------------------------------------------
 
 # The auto rule (host values only, no sync), from the H200 measurements in benchmarks/NOTES.md
-# (bf16, H=12, K=64): with a window the kernel took 0.31-0.42x FA2's time on every pack (query,
-# doc, 64k doc budget, 8 x ~4k); global, 0.76-0.98x from 24-token queries to 8k-token sequences
-# (equal 256-token sequences: a tie, 1.01x). So there is no length crossover to encode; global
-# layers with head dims above 64 (not measured) stay on FA2.
+# (bf16, H=12, K=64): with a window the kernel took 0.30-0.40x FA2's time on every pack (query,
+# doc, 64k doc budget, 8 x ~4k); global, 0.37x on the query pack, 0.81-0.89x on doc / 64k doc /
+# long, 0.76-1.01x over packs of equal lengths 256..4096 (256: a tie). So there is no length
+# crossover to encode; global layers with head dims above 64 (not measured) stay on FA2.
 GLOBAL_MAX_HEAD_DIM = 64
 
 
