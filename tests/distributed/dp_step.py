@@ -28,10 +28,9 @@ def loss_fn(params, batch, labels):
     return classification_loss(modernbert.classify(params, h, batch.cu_seqlens), labels)
 
 
-def main(out, mode):
-    import faulthandler
-    faulthandler.dump_traceback_later(120, exit=True)  # a hang prints its stack instead of idling
-    pdist.init()
+def step(mode):
+    """One SGD step; returns the updated leaves. The DDP / FSDP objects die when this returns,
+    before the process group is destroyed (a DDP reducer outliving its gloo group can hang)."""
     params = pe.init(CFG, torch.Generator().manual_seed(0), heads=("classifier",))
     seqs, labels = data()
     mine = range(len(seqs)) if mode == "single" else pdist.rank_range(len(seqs))
@@ -42,11 +41,21 @@ def main(out, mode):
     loss.backward()
     opt.step()
     leaves = pytree.tree_leaves(pdist.unwrap(model))
-    leaves = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in leaves]
+    return [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for t in leaves]
+
+
+def main(out, mode):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang prints its stack instead of idling
+    pdist.init()
+    leaves = step(mode)
     if pdist.rank() == 0:
-        torch.save([t.detach() for t in leaves], out)
+        torch.save(leaves, out)
     if pdist.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
