@@ -51,6 +51,7 @@ _AUTO_CUDA = {
     # the Triton forward kernel first: it hands gradients (and what it did not win) to flash
     "varlen_attention": ("triton", "flash"),
     "graph_attention": ("flash",),
+    "deberta_attention": ("triton",),  # packed disentangled attention (kernels/triton/deberta_attention.py)
 }
 _AUTO_CUDA_DEFAULT = ("triton",)
 

@@ -1,0 +1,404 @@
+"""DeBERTa-v2/v3 disentangled attention (content + c2p + p2c) over cu_seqlens: a packed flash kernel.
+
+Shapes: T packed tokens, S sequences, H heads, K head dim, R = 2 * span position-table rows,
+M = N = BLOCK query / key rows of a tile, W = 2 * BLOCK distances of a tile's band.
+
+The score of query i and key j of one sequence (see `reference.deberta_attention`) is
+    scale * (q_i . k_j + q_i . PK[slot(i - j)] + k_j . PQ[slot(i - j)]),
+slot(d) = clamp(bucket(d) + span, 0, R - 1); c2p and p2c read the same slot (bucket is odd).
+
+`_fwd_kernel`: one program per (query block, head, sequence), looping over the key blocks of its
+own sequence with an online softmax (exp2, fp32 statistics), so no (L, L) or (L, R) tensor ever
+exists in device memory. For a (M, N) tile, i - j takes the M + N - 1 values
+d0 + u, u = m - n + N - 1 in [0, W - 1), d0 = i0 - j0 - (N - 1). So per tile the kernel
+  - reads the W slots of those distances from a 1-D table (`slot_table`),
+  - gathers the W rows of PK and PQ at those slots (L2-resident: R * H * K elements per layer),
+  - computes the two band GEMMs  C = q @ PK_w^T (M, W) and P = PQ_w @ k^T (W, N)  in fp32,
+  - picks C[m, m - n + N - 1] and P[m - n + N - 1, n] with `tl.gather` (a register/shared-memory
+    shuffle, no global traffic).
+When the tile's smallest and largest distance share one slot (the saturated ends, |d| beyond
+~max_relative_positions: most tiles of a long sequence), both terms are rank-1: q . PK[slot] per
+row plus k . PQ[slot] per column, no band GEMM. Cost of a banded tile (M = N = B): 2B^2K (q k^T)
++ 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, i.e. 3x plain flash attention; bytes: K and V tiles
+(2BK elements) plus 2 x 2BK gathered table rows from L2 and 2B int32 slots.
+
+The slot table is built once per (buckets, max_relative_positions, R, device) on the CPU with
+`reference.log_bucket_position`, op for op HF's `make_log_bucket_position` (float32 CPU math, so
+the exact float ties at |d| = max_relative_positions - 1 etc. land where HF's CPU build puts them),
+for every |d| <= max(8192, next_pow2(max_seqlen)); the kernel only ever looks slots up.
+
+The backward (`deberta_attention_bwd.py`) recomputes the tiles the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from packedenc.kernels import reference
+from packedenc.kernels.triton._common import check_float, direct_launch
+
+__all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config"]
+
+LOG2E = 1.4426950408889634
+MIN_TABLE_HALF = 8192  # one table serves every max_seqlen <= 8192 (built once, before any graph capture)
+
+
+# ---- the slot table ----------------------------------------------------------------------------
+
+
+def _build_slots(position_buckets: int, max_relative_positions: int, R: int, half: int) -> Tensor:
+    """(2 * half + 1,) int32 CPU: SLOT[d + half] = clamp(r(d) + R // 2, 0, R - 1), HF's r, for |d| <= half."""
+    d = torch.arange(-half, half + 1, dtype=torch.long)
+    if position_buckets > 0 and max_relative_positions > 0:
+        d = reference.log_bucket_position(d, position_buckets, max_relative_positions).long()
+    slots = torch.clamp(d + R // 2, 0, R - 1).to(torch.int32)
+    # The kernel's rank-1 shortcut needs slots non-decreasing in d (true of HF's buckets).
+    assert bool((slots[1:] >= slots[:-1]).all()), (position_buckets, max_relative_positions)
+    return slots
+
+
+_TABLES: dict[tuple, Tensor] = {}
+
+
+def slot_table(position_buckets: int, max_relative_positions: int, R: int, max_seqlen: int,
+               device: torch.device) -> tuple[Tensor, int]:
+    """(table, half): the int32 slot of every distance |d| <= half on `device`, cached.
+
+    half = max(8192, next_pow2(max_seqlen)) >= max_seqlen - 1, so every pair of a sequence is in
+    range (the kernel clamps only distances of masked tile tails). Built on the CPU (the float ties
+    of the log buckets then match HF's CPU build exactly) and copied once; under CUDA-graph
+    capture a missing table is built on the device instead and not cached (a copy from pageable
+    host memory cannot be captured; warm-up calls fill the cache first).
+    """
+    half = max(MIN_TABLE_HALF, triton.next_power_of_2(max(int(max_seqlen), 1)))
+    key = (int(position_buckets), int(max_relative_positions), int(R), half, device)
+    table = _TABLES.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            d = torch.arange(-half, half + 1, dtype=torch.long, device=device)
+            if position_buckets > 0 and max_relative_positions > 0:
+                d = reference.log_bucket_position(d, position_buckets, max_relative_positions).long()
+            return torch.clamp(d + R // 2, 0, R - 1).to(torch.int32), half
+        table = _TABLES[key] = _build_slots(position_buckets, max_relative_positions, R, half).to(device)
+    return table, half
+
+
+@triton.jit
+def _slot(SLOT, d, half):
+    """Slot of distance(s) d: the table lookup every kernel uses (d clamped to the table)."""
+    return tl.load(SLOT + (tl.minimum(tl.maximum(d, -half), half) + half))
+
+
+@triton.jit
+def _slots_kernel(SLOT, D, OUT, n, half, BLOCK: tl.constexpr):
+    """Test hook: OUT[t] = _slot(D[t]), the same lookup as the attention kernels."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.load(D + t, mask=t < n, other=0)
+    tl.store(OUT + t, _slot(SLOT, d, half), mask=t < n)
+
+
+def table_slots(d: Tensor, position_buckets: int, max_relative_positions: int, R: int) -> Tensor:
+    """Slots of the int32 distances `d` as the kernels see them (through `_slot`), for tests."""
+    table, half = slot_table(position_buckets, max_relative_positions, R, int(d.abs().max()) + 1, d.device)
+    d = d.to(torch.int32).contiguous()
+    out = torch.empty_like(d)
+    _slots_kernel[(triton.cdiv(d.numel(), 1024),)](table, d, out, d.numel(), half, BLOCK=1024)
+    return out
+
+
+# ---- forward kernel ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _pos_scores(s, q, k, PK, PQ, SLOT, i0, j0, half, hh,
+                s_pk_r, s_pq_r, offs_k, kmask, idx,
+                C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    """s (M, N) fp32 plus the unscaled c2p and p2c terms of the tile (i0.., j0..).
+
+    PK / PQ point at head hh already (row stride s_*_r). idx[m, n] = m - n + N - 1.
+    """
+    d0 = i0 - j0 - (BLOCK - 1)
+    slot_lo = _slot(SLOT, d0, half)
+    slot_hi = _slot(SLOT, d0 + 2 * BLOCK - 2, half)
+    if slot_lo == slot_hi:  # one slot for the whole tile: rank-1 terms
+        if C2P:
+            pk = tl.load(PK + slot_lo.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            s += tl.sum(q.to(tl.float32) * pk[None, :], 1)[:, None]
+        if P2C:
+            pq = tl.load(PQ + slot_lo.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            s += tl.sum(k.to(tl.float32) * pq[None, :], 1)[None, :]
+    else:
+        w = tl.arange(0, 2 * BLOCK)
+        slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
+        if C2P:
+            pkw = tl.load(PK + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+            c = tl.dot(q, tl.trans(pkw.to(q.dtype)), input_precision=PREC)  # (M, W)
+            s += tl.gather(c, idx, axis=1)
+        if P2C:
+            pqw = tl.load(PQ + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+            p = tl.dot(pqw.to(k.dtype), tl.trans(k), input_precision=PREC)  # (W, N)
+            s += tl.gather(p, idx, axis=0)
+    return s
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V,  # (T, H, K) views, head dim contiguous (slices of the fused qkv output)
+    PK, PQ,  # (R, H, K) position tables for c2p / p2c (any valid pointer when the term is off)
+    SLOT,  # (2 * half + 1,) int32 slot of each distance
+    CU,  # (S + 1,) int32 cu_seqlens
+    O,  # (T, H, K) out, q's dtype
+    LSE,  # (T, H) fp32 out: log2-sum-exp2 of the scores times log2(e) (STORE_LSE)
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,  # strides in elements
+    s_pk_r, s_pk_h, s_pq_r, s_pq_h, s_o_t, s_o_h, s_lse_t,
+    half,  # table half width
+    qk_scale,  # scale * log2(e)
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,  # head dim, its power-of-two block (>= 16)
+    BLOCK: tl.constexpr,  # query rows = key rows per tile (>= 16 for tl.dot)
+    C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr,
+    PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
+):
+    pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(CU + seq).to(tl.int64)
+    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    i0 = pid_m * BLOCK
+    if i0 >= L:  # this sequence is shorter than the grid's max_seqlen
+        return
+    hh = h.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < HEAD_DIM
+    mmask = (i0 + offs) < L
+    rows = start + i0 + offs.to(tl.int64)
+    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :],
+                mask=mmask[:, None] & kmask[None, :], other=0.0)
+    idx = offs[:, None] - offs[None, :] + (BLOCK - 1)  # band column of pair (m, n)
+    PKh = PK + hh * s_pk_h
+    PQh = PQ + hh * s_pq_h
+
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, BLOCK_K], tl.float32)
+    for j0 in range(0, L, BLOCK):
+        nmask = (j0 + offs) < L
+        cols = start + j0 + offs.to(tl.int64)
+        kv_mask = nmask[:, None] & kmask[None, :]
+        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if C2P or P2C:
+            s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
+                            C2P, P2C, BLOCK, PREC)
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        # Column 0 of the first tile is a real key, so m_i is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * s_o_t + hh * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None] & kmask[None, :])
+    if STORE_LSE:
+        tl.store(LSE + rows * s_lse_t + hh, m_i + tl.log2(l_i), mask=mmask)
+
+
+# ---- launcher ----------------------------------------------------------------------------------
+
+# Tile rows and warps. Chosen from a no-GPU sm_90 compile of these kernels (Triton 3.9, ptxas -v):
+# 32-row tiles with 8 warps use 154-210 registers without spills for head dims 32-128, while
+# 64-row tiles spill 100-500 bytes per thread in the banded path (the band GEMM outputs and the
+# tl.gather shuffles). Module-level so a benchmark sweep can override them; unmeasured on a GPU.
+BLOCK_MAX = 32
+NUM_WARPS = 8
+NUM_STAGES = 2
+
+
+def block_size(max_seqlen: int) -> int:
+    """Query = key rows per tile: the smallest power of two >= max_seqlen in [16, BLOCK_MAX].
+
+    Short batches then waste no band work on empty rows; 16 is tl.dot's minimum.
+    """
+    return max(16, min(BLOCK_MAX, triton.next_power_of_2(max(int(max_seqlen), 1))))
+
+
+def launch_config(block: int) -> dict:
+    return dict(num_warps=4 if block <= 16 else NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, pk: Tensor | None,
+                 pq: Tensor | None) -> None:
+    check_float("deberta_attention", q, k, v)
+    assert q.dim() == 3 and q.shape == k.shape == v.shape, (q.shape, k.shape, v.shape)
+    assert q.dtype == k.dtype == v.dtype, "deberta_attention: q, k, v must share a dtype"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
+    for t in (pk, pq):
+        if t is not None:
+            assert t.dim() == 3 and t.shape[1:] == q.shape[1:] and t.stride(-1) == 1, (t.shape, q.shape)
+
+
+def deberta_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+    pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
+    scale: float, store_lse: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward on (T, H, K) q / k / v. Return (o (T, H, K) contiguous, lse (T, H) fp32).
+
+    lse is in log2 units of the scores times log2(e) (what the backward re-exponentiates); it is
+    uninitialised when store_lse is False. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+    """
+    check_inputs(q, k, v, cu_seqlens, pos_key, pos_query)
+    T, H, Kd = q.shape
+    S = cu_seqlens.numel() - 1
+    o = torch.empty((T, H, Kd), dtype=q.dtype, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0 or S == 0 or max_seqlen <= 0:
+        return o, lse
+    pos = pos_key if pos_key is not None else pos_query
+    R = pos.shape[0] if pos is not None else 2
+    table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, q.device)
+    pk = pos_key if pos_key is not None else q
+    pq = pos_query if pos_query is not None else q
+    BLOCK = block_size(max_seqlen)
+    BLOCK_K = max(16, triton.next_power_of_2(Kd))
+    grid = (triton.cdiv(max_seqlen, BLOCK), H, S)
+    _fwd_kernel[grid](
+        q, k, v, pk, pq, table, cu_seqlens, o, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+        half, scale * LOG2E,
+        HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
+        C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
+        **launch_config(BLOCK),
+    )
+    return o, lse
+
+
+# ---- registered ops (CPU: the reference; CUDA: the kernels) ------------------------------------
+
+
+@torch.library.custom_op("packedenc::deberta_attention", mutates_args=(), device_types="cpu")
+def _deberta_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key: Tensor | None,
+    pos_query: Tensor | None, position_buckets: int, max_relative_positions: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    types = tuple(t for t, x in (("c2p", pos_key), ("p2c", pos_query)) if x is not None)
+    o = reference.deberta_attention(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, pos_att_type=types,
+                                    position_buckets=position_buckets, max_relative_positions=max_relative_positions,
+                                    scale=scale)
+    lse = _bwd.reference_lse(q, k, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                             max_relative_positions, scale)
+    return o.contiguous(), lse
+
+
+@_deberta_attention.register_kernel("cuda")
+def _(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale):
+    return deberta_attention_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                                 max_relative_positions, scale)
+
+
+@_deberta_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale):
+    T, H, K = q.shape
+    return q.new_empty((T, H, K)), q.new_empty((T, H), dtype=torch.float32)
+
+
+# The backward op returns empty (0,) tensors for absent tables: custom ops cannot return None.
+@torch.library.custom_op("packedenc::deberta_attention_bwd", mutates_args=(), device_types="cpu")
+def _deberta_attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+    pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _bwd.reference_bwd(do, q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                               max_relative_positions, scale)
+    return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
+
+
+@_deberta_attention_bwd.register_kernel("cuda")
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
+      scale):
+    grads = _bwd.deberta_attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
+                                       position_buckets, max_relative_positions, scale)
+    return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
+
+
+@_deberta_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
+      scale):
+    T, H, K = q.shape
+    tables = (t.new_empty(t.shape) if t is not None else q.new_empty((0,)) for t in (pos_key, pos_query))
+    return (q.new_empty((T, H, K)), q.new_empty((T, H, K)), q.new_empty((T, H, K)), *tables)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, buckets, max_rel, scale = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, pos_key, pos_query)
+    ctx.args = (max_seqlen, buckets, max_rel, scale)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens, pos_key, pos_query = ctx.saved_tensors
+    max_seqlen, buckets, max_rel, scale = ctx.args
+    dq, dk, dv, dpk, dpq = torch.ops.packedenc.deberta_attention_bwd(
+        do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, buckets, max_rel, scale)
+    return (dq, dk, dv, None, None, dpk if pos_key is not None else None, dpq if pos_query is not None else None,
+            None, None, None)
+
+
+_deberta_attention.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- the Ops-table entry: the reference signature ----------------------------------------------
+
+
+def deberta_attention(
+    q_THK: Tensor,
+    k_THK: Tensor,
+    v_THK: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    pos_key_RHK: Tensor | None = None,
+    pos_query_RHK: Tensor | None = None,
+    *,
+    pos_att_type: tuple[str, ...] = (),
+    position_buckets: int = -1,
+    max_relative_positions: int = -1,
+    scale: float,
+) -> Tensor:
+    """DeBERTa disentangled attention inside each packed sequence; see `reference.deberta_attention`.
+
+    Arguments:
+        q_THK, k_THK, v_THK: (T, H, K) with the head dim contiguous (views of the fused qkv are fine).
+        cu_seqlens: (S+1,) int32. max_seqlen: host int >= the longest sequence.
+        pos_key_RHK / pos_query_RHK: (R, H, K) c2p / p2c tables, present iff the term is in pos_att_type.
+        position_buckets, max_relative_positions, scale: as in the reference.
+    Return:
+        (T, H, K) contiguous in q's dtype; fp32 scores and softmax, one rounding. Differentiable in
+        q, k, v and both tables (Triton backward on CUDA; dPK / dPQ are fp32 atomics, see
+        `deberta_attention_bwd.py`).
+    """
+    c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
+    assert (pos_key_RHK is not None) == c2p and (pos_query_RHK is not None) == p2c, pos_att_type
+    args = (q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK, position_buckets,
+            max_relative_positions, scale)
+    if direct_launch(q_THK, k_THK, v_THK, pos_key_RHK, pos_query_RHK):
+        return deberta_attention_fwd(*args, store_lse=False)[0]
+    return torch.ops.packedenc.deberta_attention(*args)[0]
+
+
+# Imported last: the backward module reads this module's helpers at import.
+from packedenc.kernels.triton import deberta_attention_bwd as _bwd  # noqa: E402

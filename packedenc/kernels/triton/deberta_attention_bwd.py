@@ -1,0 +1,350 @@
+"""Backward of the packed DeBERTa disentangled attention: two Triton kernels and the plain-torch spec.
+
+Shapes: T packed tokens, S sequences, H heads, K head dim, R position-table rows, L max_seqlen,
+M = N = BLOCK tile rows, W = 2 * BLOCK band distances (see `deberta_attention.py`).
+
+With P the softmax, G = P * (dO V^T - rowsum(dO * O)) * scale the gradient of the unscaled score
+q_i.k_j + q_i.PK[slot(i - j)] + k_j.PQ[slot(i - j)]:
+    dq_i = sum_j G_ij (k_j + PK[slot])         dk_j = sum_i G_ij (q_i + PQ[slot])       dv = P^T dO
+    dPK[r] = sum_{slot(i - j) = r} G_ij q_i    dPQ[r] = sum_{slot(i - j) = r} G_ij k_j
+FA2's split: `_bwd_dkdv_kernel` (one program per key block, looping over query blocks) writes dk,
+dv and dPQ; `_bwd_dq_kernel` (one program per query block) writes dq and dPK. Both recompute the
+tile scores exactly as the forward (same band GEMMs, same slot lookups) and re-exponentiate with
+the forward's log-sum-exp. The band terms are the transposes of the forward's picks: a `tl.gather`
+scatters G into (M, W) / (W, N) band layout, one GEMM with the gathered table rows gives the
+dq / dk part, another the per-distance table gradient, which is added to the fp32 dPK / dPQ at
+its slot with `tl.atomic_add` (several distances share a slot, programs share slots). Rank-1
+tiles (one slot) add a row sum of G times the table row; their table gradient is summed in
+registers over a run of tiles with the same slot and added once per run.
+
+Determinism: dq, dk, dv are bitwise reproducible; dPK / dPQ are fp32 atomics summed in whatever
+order the programs finish, so they vary in the last bits from run to run.
+
+`reference_bwd` is the same gradient written out in plain torch on the padded grid: the CPU
+implementation of the registered backward op and the spec the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from packedenc.kernels import reference
+from packedenc.kernels.triton.deberta_attention import (
+    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, launch_config, slot_table,
+)
+
+__all__ = ["deberta_attention_bwd", "reference_bwd"]
+
+
+# ---- plain-torch spec --------------------------------------------------------------------------
+
+
+def _grids(cu_seqlens: Tensor, T: int, L: int):
+    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+
+    seq_T, pos_T = segment_ids(cu_seqlens, T), positions_from_cu_seqlens(cu_seqlens, T)
+    S = cu_seqlens.numel() - 1
+
+    def grid(x_THK: Tensor) -> Tensor:  # (T, H, K) -> (S, H, L, K) fp32, zeros at pads
+        g = x_THK.new_zeros((S, L, *x_THK.shape[1:]), dtype=torch.float32)
+        return g.index_put((seq_T, pos_T), x_THK.float()).transpose(1, 2)
+
+    def packed(x_SHLK: Tensor) -> Tensor:
+        return x_SHLK.transpose(1, 2)[seq_T, pos_T]
+
+    lengths_S = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    key_ok_SL = torch.arange(L, device=cu_seqlens.device)[None, :] < lengths_S[:, None]
+    return grid, packed, key_ok_SL
+
+
+def reference_scores(q, k, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions):
+    """(S, H, L, L) fp32 unscaled scores on the padded grid, key pads -inf, and the (L, L) slots."""
+    T, L = q.shape[0], max_seqlen
+    grid, _, key_ok = _grids(cu_seqlens, T, L)
+    qg, kg = grid(q), grid(k)
+    s = qg @ kg.transpose(-1, -2)
+    slot = None
+    if pk is not None or pq is not None:
+        R = (pk if pk is not None else pq).shape[0]
+        rel = reference.relative_positions(L, position_buckets, max_relative_positions, q.device)
+        slot = torch.clamp(rel + R // 2, 0, R - 1)
+        idx = slot.expand(*s.shape)
+        if pk is not None:
+            s = s + torch.gather(torch.einsum("shik,rhk->shir", qg, pk.float()), -1, idx)
+        if pq is not None:  # key j reads PQ at slot(i - j): gather along j's rows, then transpose
+            s = s + torch.gather(torch.einsum("shjk,rhk->shjr", kg, pq.float()), -1, idx.transpose(-1, -2)
+                                 ).transpose(-1, -2)
+    # Padded query rows see every column (no all -inf row); their gradient is zero anyway.
+    ok = key_ok[:, None, :] | ~key_ok[:, :, None]
+    return s.masked_fill(~ok[:, None], float("-inf")), slot
+
+
+def reference_lse(q, k, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions, scale):
+    """(T, H) fp32 log2-sum-exp2 of scale * log2(e) * scores, the forward kernel's LSE output."""
+    s, _ = reference_scores(q, k, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions)
+    lse = torch.logsumexp(s * scale, -1) * LOG2E  # (S, H, L)
+    return _grids(cu_seqlens, q.shape[0], max_seqlen)[1](lse[..., None])[..., 0].contiguous()
+
+
+def reference_bwd(do, q, k, v, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions,
+                  scale):
+    """(dq, dk, dv, dpk, dpq) of `reference.deberta_attention` (None for an absent table).
+
+    Explicit formulas, fp32, on the padded (S, H, L, L) grid: O(S L^2) memory, for CPU and tests.
+    """
+    T, L = q.shape[0], max_seqlen
+    grid, packed, _ = _grids(cu_seqlens, T, L)
+    s, slot = reference_scores(q, k, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions)
+    p = torch.softmax(s * scale, -1)
+    qg, kg, vg, dog = grid(q), grid(k), grid(v), grid(do)
+    dp = dog @ vg.transpose(-1, -2)
+    g = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+    dq, dk, dv = g @ kg, g.transpose(-1, -2) @ qg, p.transpose(-1, -2) @ dog
+    dpk = dpq = None
+    if pk is not None:  # per query row, G summed over the keys sharing a slot
+        gc = torch.zeros(*g.shape[:-1], pk.shape[0], dtype=g.dtype, device=g.device)
+        gc.scatter_add_(-1, slot.expand(*g.shape), g)
+        dq = dq + torch.einsum("shir,rhk->shik", gc, pk.float())
+        dpk = torch.einsum("shir,shik->rhk", gc, qg).to(pk.dtype)
+    if pq is not None:  # per key row j, G summed over the queries sharing a slot
+        gp = torch.zeros(*g.shape[:-1], pq.shape[0], dtype=g.dtype, device=g.device)
+        gp.scatter_add_(-1, slot.transpose(-1, -2).expand(*g.shape), g.transpose(-1, -2))
+        dk = dk + torch.einsum("shjr,rhk->shjk", gp, pq.float())
+        dpq = torch.einsum("shjr,shjk->rhk", gp, kg).to(pq.dtype)
+    dq, dk, dv = (packed(t).to(q.dtype).contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv, dpk, dpq
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
+                    offs_k, kmask, idx, valid, qk_scale, scale,
+                    C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    """(P, G) of a tile in fp32: the forward's probabilities and the score gradient, 0 off `valid`."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if C2P or P2C:
+        s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
+                        C2P, P2C, BLOCK, PREC)
+    p = tl.where(valid, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return p, p * (dp - delta[:, None]) * scale
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, PK, PQ, SLOT, CU,  # as in the forward
+    DO, LSE, DELTA,  # (T, H, K) output gradient; (T, H) fp32 forward LSE; (T, H) fp32 rowsum(dO * O)
+    DQ,  # (T, H, K) out, q's dtype
+    DPK,  # (R, H, K) fp32, zero-initialised, atomically accumulated (C2P)
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_pk_r, s_pk_h, s_pq_r, s_pq_h,
+    s_do_t, s_do_h, s_dq_t, s_dq_h, s_lse_t, s_dpk_r, s_dpk_h,
+    half, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+    C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(CU + seq).to(tl.int64)
+    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    i0 = pid_m * BLOCK
+    if i0 >= L:
+        return
+    hh = h.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < HEAD_DIM
+    mmask = (i0 + offs) < L
+    rows = start + i0 + offs.to(tl.int64)
+    qmask = mmask[:, None] & kmask[None, :]
+    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
+    lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
+    delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
+    idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
+    w = tl.arange(0, 2 * BLOCK)
+    band_n = offs[:, None] - w[None, :] + (BLOCK - 1)  # (M, W): key column n of pair (m, distance w)
+    band_ok = (band_n >= 0) & (band_n < BLOCK)
+    band_n = tl.minimum(tl.maximum(band_n, 0), BLOCK - 1)
+    PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
+    DPKh = DPK + hh * s_dpk_h
+
+    dq = tl.zeros([BLOCK, BLOCK_K], tl.float32)
+    run_slot = tl.zeros([], tl.int32) - 1  # slot of the current run of rank-1 tiles
+    run_g = tl.zeros([BLOCK], tl.float32)  # its per-row sum of G
+    for j0 in range(0, L, BLOCK):
+        nmask = (j0 + offs) < L
+        cols = start + j0 + offs.to(tl.int64)
+        kv_mask = nmask[:, None] & kmask[None, :]
+        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
+                               offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
+                               C2P, P2C, BLOCK, PREC)
+        dq += tl.dot(g.to(k.dtype), k, input_precision=PREC)
+        if C2P:
+            d0 = i0 - j0 - (BLOCK - 1)
+            slot_lo = _slot(SLOT, d0, half)
+            if slot_lo == _slot(SLOT, d0 + 2 * BLOCK - 2, half):
+                g_m = tl.sum(g, 1)
+                pk = tl.load(PKh + slot_lo.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                dq += g_m[:, None] * pk[None, :]
+                if slot_lo != run_slot:
+                    if run_slot >= 0:
+                        tl.atomic_add(DPKh + run_slot.to(tl.int64) * s_dpk_r + offs_k,
+                                      tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+                    run_g = tl.zeros([BLOCK], tl.float32)
+                    run_slot = slot_lo
+                run_g += g_m
+            else:
+                slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
+                pkw = tl.load(PKh + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+                gc = tl.where(band_ok, tl.gather(g, band_n, axis=1), 0.0).to(q.dtype)  # (M, W)
+                dq += tl.dot(gc, pkw.to(q.dtype), input_precision=PREC)
+                dpkw = tl.dot(tl.trans(gc), q, input_precision=PREC)  # (W, K)
+                tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :])
+    if C2P:
+        if run_slot >= 0:
+            tl.atomic_add(DPKh + run_slot.to(tl.int64) * s_dpk_r + offs_k,
+                          tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+    tl.store(DQ + rows[:, None] * s_dq_t + hh * s_dq_h + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, PK, PQ, SLOT, CU, DO, LSE, DELTA,  # as in `_bwd_dq_kernel`
+    DK, DV,  # (T, H, K) out (same strides), q's dtype
+    DPQ,  # (R, H, K) fp32, zero-initialised, atomically accumulated (P2C)
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_pk_r, s_pk_h, s_pq_r, s_pq_h,
+    s_do_t, s_do_h, s_dk_t, s_dk_h, s_lse_t, s_dpq_r, s_dpq_h,
+    half, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+    C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_n, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(CU + seq).to(tl.int64)
+    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    j0 = pid_n * BLOCK
+    if j0 >= L:
+        return
+    hh = h.to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < HEAD_DIM
+    nmask = (j0 + offs) < L
+    cols = start + j0 + offs.to(tl.int64)
+    kv_mask = nmask[:, None] & kmask[None, :]
+    k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
+    w = tl.arange(0, 2 * BLOCK)
+    band_m = w[:, None] + offs[None, :] - (BLOCK - 1)  # (W, N): query row m of pair (distance w, n)
+    band_ok = (band_m >= 0) & (band_m < BLOCK)
+    band_m = tl.minimum(tl.maximum(band_m, 0), BLOCK - 1)
+    PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
+    DPQh = DPQ + hh * s_dpq_h
+
+    dk = tl.zeros([BLOCK, BLOCK_K], tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_K], tl.float32)
+    run_slot = tl.zeros([], tl.int32) - 1
+    run_g = tl.zeros([BLOCK], tl.float32)  # per-key sum of G over the current rank-1 run
+    for i0 in range(0, L, BLOCK):
+        mmask = (i0 + offs) < L
+        rows = start + i0 + offs.to(tl.int64)
+        qmask = mmask[:, None] & kmask[None, :]
+        q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
+        do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
+        lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
+        delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
+        p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
+                               offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
+                               C2P, P2C, BLOCK, PREC)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        dk += tl.dot(tl.trans(g.to(q.dtype)), q, input_precision=PREC)
+        if P2C:
+            d0 = i0 - j0 - (BLOCK - 1)
+            slot_lo = _slot(SLOT, d0, half)
+            if slot_lo == _slot(SLOT, d0 + 2 * BLOCK - 2, half):
+                g_n = tl.sum(g, 0)
+                pq = tl.load(PQh + slot_lo.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                dk += g_n[:, None] * pq[None, :]
+                if slot_lo != run_slot:
+                    if run_slot >= 0:
+                        tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
+                                      tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+                    run_g = tl.zeros([BLOCK], tl.float32)
+                    run_slot = slot_lo
+                run_g += g_n
+            else:
+                slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
+                pqw = tl.load(PQh + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+                gp = tl.where(band_ok, tl.gather(g, band_m, axis=0), 0.0).to(k.dtype)  # (W, N)
+                dk += tl.dot(tl.trans(gp), pqw.to(k.dtype), input_precision=PREC)
+                dpqw = tl.dot(gp, k, input_precision=PREC)  # (W, K)
+                tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :])
+    if P2C:
+        if run_slot >= 0:
+            tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
+                          tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+    out = start + j0 + offs.to(tl.int64)
+    tl.store(DK + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# ---- launcher ----------------------------------------------------------------------------------
+
+BLOCK_MAX_BWD = 32  # tile rows (sm_90 compile: 32-row tiles, 8 warps spill <= 176 bytes at K = 128)
+
+
+def deberta_attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+    pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Launch the backward. Return (dq, dk, dv) contiguous in q's dtype, dpk / dpq in the tables' dtypes.
+
+    `o` and `lse` are the forward's outputs (lse from `deberta_attention_fwd(store_lse=True)`).
+    """
+    check_inputs(q, k, v, cu_seqlens, pos_key, pos_query)
+    T, H, Kd = q.shape
+    S = cu_seqlens.numel() - 1
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    dq, dk, dv = (torch.empty((T, H, Kd), dtype=q.dtype, device=q.device) for _ in range(3))
+    dpk = torch.zeros(pos_key.shape, dtype=torch.float32, device=q.device) if pos_key is not None else None
+    dpq = torch.zeros(pos_query.shape, dtype=torch.float32, device=q.device) if pos_query is not None else None
+    if T and S and max_seqlen > 0:
+        delta = (do.float() * o.float()).sum(-1)  # (T, H): rowsum(dO * O), FA's preprocessing
+        lse = lse.contiguous()
+        pos = pos_key if pos_key is not None else pos_query
+        R = pos.shape[0] if pos is not None else 2  # any table when there is no position term
+        table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, q.device)
+        pk = pos_key if pos_key is not None else q
+        pq = pos_query if pos_query is not None else q
+        BLOCK_K = max(16, triton.next_power_of_2(Kd))
+        BLOCK = min(block_size(max_seqlen), BLOCK_MAX_BWD)
+        grid = (triton.cdiv(max_seqlen, BLOCK), H, S)
+        common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                  pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
+        meta = dict(HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, C2P=pos_key is not None, P2C=pos_query is not None,
+                    PREC=_prec(q.dtype), **launch_config(BLOCK))
+        dpk_ = dpk if dpk is not None else delta
+        dpq_ = dpq if dpq is not None else delta
+        _bwd_dq_kernel[grid](
+            q, k, v, pk, pq, table, cu_seqlens, do, lse, delta, dq, dpk_,
+            *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(1) if dpk is not None else 0,
+            half, scale * LOG2E, scale, **meta,
+        )
+        _bwd_dkdv_kernel[grid](
+            q, k, v, pk, pq, table, cu_seqlens, do, lse, delta, dk, dv, dpq_,
+            *common, dk.stride(0), dk.stride(1), lse.stride(0), dpq_.stride(0), dpq_.stride(1) if dpq is not None else 0,
+            half, scale * LOG2E, scale, **meta,
+        )
+    else:
+        for t in (dq, dk, dv):
+            t.zero_()
+    dpk = dpk.to(pos_key.dtype) if dpk is not None else None
+    dpq = dpq.to(pos_query.dtype) if dpq is not None else None
+    return dq, dk, dv, dpk, dpq

@@ -1,0 +1,369 @@
+"""deberta_attention: the packed Triton disentangled-attention kernels (forward and backward) vs the reference.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on tiny ragged packs with 16-row tiles
+(`BLOCK_MAX` patched), so a 50-token sequence spans 4 x 4 tiles: banded tiles near the diagonal,
+rank-1 (one-slot) tiles beyond the small bucket ranges used here. The `gpu` tests use the issue's
+lengths in fp16 / bf16 with the 2x rule against an HF-style low-precision eager attention.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from packedenc.kernels import get_ops, reference
+from packedenc.kernels.triton import deberta_attention as DA
+from packedenc.kernels.triton import deberta_attention_bwd as DB
+from tests.kernels._assert import DEVICE, assert_close_to_ref, cu_seqlens, err, other_rows
+
+hf = pytest.importorskip("transformers.models.deberta_v2.modeling_deberta_v2")
+
+# A length-1 sequence, one of exactly one tile, one just past it, one of 4 tiles; all longer than
+# the bucket ranges below, so the log buckets and both clamps are reached.
+LENGTHS = (1, 50, 17, 16, 3)
+H, K = 2, 32
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(request, monkeypatch):
+    if request.node.get_closest_marker("gpu") is None:  # gpu tests use the shipped tile sizes
+        monkeypatch.setattr(DA, "BLOCK_MAX", 16)
+        monkeypatch.setattr(DB, "BLOCK_MAX_BWD", 16)
+
+
+def _inputs(lengths, types, buckets, max_pos, dtype=torch.float32, same_table=False, device=DEVICE, heads=H, dim=K):
+    T = sum(lengths)
+    span = buckets if buckets > 0 else max_pos
+    q, k, v = (torch.randn(T, heads, dim).to(device, dtype) for _ in range(3))
+    pk = torch.randn(2 * span, heads, dim).to(device, dtype) if "c2p" in types else None
+    pq = torch.randn(2 * span, heads, dim).to(device, dtype) if "p2c" in types else None
+    if same_table and pk is not None and pq is not None:
+        pq = pk  # one tensor read as both tables
+    return q, k, v, cu_seqlens(lengths, device), pk, pq
+
+
+def _f32(*ts):
+    return [None if t is None else t.float() for t in ts]
+
+
+def _ref(q, k, v, cu, L, pk, pq, types, buckets, max_pos, scale):
+    return reference.deberta_attention(q, k, v, cu, L, pk, pq, pos_att_type=types, position_buckets=buckets,
+                                       max_relative_positions=max_pos, scale=scale)
+
+
+# ---- the slot lookup --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buckets, max_pos", [
+    (256, 512),  # DeBERTa-v3: the exact tie at |d| = 511 (slot 511 / 1), saturation at 506 / -512
+    (256, 1024), (128, 512), (8, 16), (4, 10), (7, 40),  # odd buckets: asymmetric saturation
+    (-1, 16), (-1, 512),  # no buckets: plain distances clamped at +-span
+])
+def test_slots_equal_hf_at_every_distance_up_to_8192(buckets, max_pos):
+    """Through `_slot`, the lookup every kernel uses, vs HF's make_log_bucket_position (CPU)."""
+    d = torch.arange(-8192, 8193)
+    span = buckets if buckets > 0 else max_pos
+    rel = hf.make_log_bucket_position(d, buckets, max_pos).long() if buckets > 0 else d
+    want = torch.clamp(rel + span, 0, 2 * span - 1)
+    assert torch.equal(DA.table_slots(d.to(DEVICE), buckets, max_pos, 2 * span).cpu().long(), want)
+
+
+@pytest.mark.parametrize("buckets, max_pos", [(256, 512), (8, 16), (256, 2048)])
+def test_unclamped_buckets_through_the_kernel_lookup_equal_hf(buckets, max_pos):
+    """With a table wider than any bucket the slot minus R/2 is the raw bucket: HF's exactly at every
+    |d| <= 8192, including the float near-ties 511, 1471, 2650, 7464 of (256, 512)."""
+    d = torch.arange(-8192, 8193)
+    R = 4096
+    got = DA.table_slots(d.to(DEVICE), buckets, max_pos, R).cpu().long() - R // 2
+    assert torch.equal(got, hf.make_log_bucket_position(d, buckets, max_pos).long())
+    if (buckets, max_pos) == (256, 512):
+        assert got[8192 + torch.tensor([511, 1471, 2650, 7464])].tolist() == [255, 352, 406, 502]
+
+
+# ---- forward ----------------------------------------------------------------------------------
+
+FWD_CASES = {  # name: (pos_att_type, buckets, max_relative_positions, one tensor for both tables)
+    "both_separate": (("c2p", "p2c"), 4, 6, False),  # log buckets beyond |d| = 2, saturated beyond 5
+    "both_shared": (("c2p", "p2c"), 8, 16, True),
+    "c2p_odd": (("c2p",), 7, 40, False),  # odd bucket count, saturates at +40 / -141
+    "p2c_plain": (("p2c",), -1, 3, False),  # no log buckets: distances clamped at +-3
+    "content_only": ((), -1, 4, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FWD_CASES))
+def test_forward_matches_reference(name):
+    types, buckets, max_pos, same = FWD_CASES[name]
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, same_table=same)
+    o, lse = DA.deberta_attention_fwd(q, k, v, cu, max(LENGTHS), pk, pq, buckets, max_pos, 0.2)
+    ref = _ref(q, k, v, cu, max(LENGTHS), pk, pq, types, buckets, max_pos, 0.2)
+    assert o.is_contiguous() and o.shape == q.shape
+    assert err(o, ref) <= 2e-6, err(o, ref)
+    assert err(lse, DB.reference_lse(q, k, cu, max(LENGTHS), pk, pq, buckets, max_pos, 0.2)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["both_separate", "c2p_odd"])
+def test_forward_fp16_two_x_rule(name):
+    types, buckets, max_pos, same = FWD_CASES[name]
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, torch.float16)
+    o, _ = DA.deberta_attention_fwd(q, k, v, cu, max(LENGTHS), pk, pq, buckets, max_pos, 0.2)
+    ref32 = _ref(*_f32(q, k, v), cu, max(LENGTHS), *_f32(pk, pq), types, buckets, max_pos, 0.2)
+    ref16 = _ref(q, k, v, cu, max(LENGTHS), pk, pq, types, buckets, max_pos, 0.2)
+    assert_close_to_ref(o, ref32, ref16, atol=2e-3, what=name)
+
+
+def test_forward_strided_qkv_views_head_dim_tail_and_loose_max_seqlen():
+    """q/k/v as slices of a fused (T, 3, H, K) qkv, a head dim (24) below its 32-wide block, and a
+    max_seqlen above the longest sequence (extra query blocks exit early)."""
+    lengths, types = (7, 1, 40), ("c2p", "p2c")
+    T = sum(lengths)
+    qkv = torch.randn(T, 3, 3, 24).to(DEVICE)
+    pk, pq = torch.randn(16, 3, 24).to(DEVICE), torch.randn(16, 3, 24).to(DEVICE)
+    cu = cu_seqlens(lengths)
+    q, k, v = qkv.unbind(1)
+    o, _ = DA.deberta_attention_fwd(q, k, v, cu, 64, pk, pq, 8, 16, 0.3)
+    assert err(o, _ref(q, k, v, cu, 40, pk, pq, types, 8, 16, 0.3)) <= 2e-6
+
+
+def test_isolation_and_determinism():
+    types, buckets, max_pos = ("c2p", "p2c"), 4, 6
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos)
+    L = max(LENGTHS)
+    o, _ = DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)
+    assert torch.equal(o, DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)[0])
+    other = other_rows(LENGTHS, 1)  # every token not in the 50-token sequence
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    k2[other] *= 7
+    v2[other] += 3
+    q2[other] *= 0.5
+    o2, _ = DA.deberta_attention_fwd(q2, k2, v2, cu, L, pk, pq, buckets, max_pos, 0.2)
+    assert torch.equal(o2[~other], o[~other]) and not torch.allclose(o2[other], o[other])
+
+
+# ---- backward ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["both_separate", "c2p_odd", "p2c_plain", "content_only"])
+def test_reference_bwd_equals_autograd_of_the_reference(name):
+    types, buckets, max_pos, _ = FWD_CASES[name]
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, device="cpu")
+    leaves = [t.requires_grad_() for t in (q, k, v, pk, pq) if t is not None]
+    out = _ref(q, k, v, cu, max(LENGTHS), pk, pq, types, buckets, max_pos, 0.2)
+    do = torch.randn_like(out)
+    want = torch.autograd.grad(out, leaves, do)
+    got = [g for g in DB.reference_bwd(do, *(t.detach() for t in (q, k, v)), cu, max(LENGTHS),
+                                       *(None if t is None else t.detach() for t in (pk, pq)),
+                                       buckets, max_pos, 0.2) if g is not None]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert err(a, b) <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["both_separate", "both_shared", "c2p_odd", "p2c_plain"])
+def test_backward_kernels_match_reference(name):
+    types, buckets, max_pos, same = FWD_CASES[name]
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, same_table=same)
+    L = max(LENGTHS)
+    o, lse = DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)
+    do = torch.randn_like(o)
+    got = DB.deberta_attention_bwd(do, q, k, v, o, lse, cu, L, pk, pq, buckets, max_pos, 0.2)
+    want = DB.reference_bwd(do, q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)
+    for what, a, b in zip(("dq", "dk", "dv", "dpk", "dpq"), got, want):
+        assert (a is None) == (b is None), what
+        if a is not None:
+            assert err(a, b) <= 1e-5 * max(1.0, b.abs().max().item()), (what, err(a, b))
+    # dq, dk, dv are atomics-free: bitwise reproducible
+    again = DB.deberta_attention_bwd(do, q, k, v, o, lse, cu, L, pk, pq, buckets, max_pos, 0.2)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], again[:3]))
+
+
+def test_backward_fp16_two_x_rule():
+    types, buckets, max_pos = ("c2p", "p2c"), 4, 6
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, torch.float16)
+    L = max(LENGTHS)
+    o, lse = DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)
+    do = torch.randn_like(o)
+    got = DB.deberta_attention_bwd(do, q, k, v, o, lse, cu, L, pk, pq, buckets, max_pos, 0.2)
+    want32 = DB.reference_bwd(*_f32(do, q, k, v), cu, L, *_f32(pk, pq), buckets, max_pos, 0.2)
+    want16 = DB.reference_bwd(do, q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)
+    for what, a, b, c in zip(("dq", "dk", "dv", "dpk", "dpq"), got, want32, want16):
+        assert_close_to_ref(a, b, c, atol=5e-3, what=what)
+
+
+# ---- the registered op, autograd, compile, and the model through the kernel -------------------
+
+
+def test_registered_op_opcheck_autograd_and_compile():
+    """CPU: the custom op runs the reference (and the explicit-formula backward)."""
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(9, 2, 8, requires_grad=True) for _ in range(3))
+    pk, pq = torch.randn(8, 2, 8, requires_grad=True), torch.randn(8, 2, 8, requires_grad=True)
+    op = torch.ops.packedenc.deberta_attention.default
+    torch.library.opcheck(op, (q, k, v, cu, 5, pk, pq, 4, 6, 0.3))
+    torch.library.opcheck(op, (q, k, v, cu, 5, None, pq, 4, 6, 0.3))
+    kw = dict(pos_att_type=("c2p", "p2c"), position_buckets=4, max_relative_positions=6, scale=0.3)
+    w = torch.randn(9, 2, 8)
+    leaves = (q, k, v, pk, pq)
+    got = torch.autograd.grad((DA.deberta_attention(q, k, v, cu, 5, pk, pq, **kw) * w).sum(), leaves)
+    want = torch.autograd.grad((reference.deberta_attention(q, k, v, cu, 5, pk, pq, **kw) * w).sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    f = lambda q, k, v: DA.deberta_attention(q, k, v, cu, 5, pk, pq, **kw)  # noqa: E731
+    q, k, v = q.detach(), k.detach(), v.detach()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v), f(q, k, v))
+
+
+def _kernel_ops():
+    """The reference table with deberta_attention bound to the (interpreted) Triton launcher."""
+
+    def attn(q, k, v, cu, L, pk=None, pq=None, *, pos_att_type=(), position_buckets=-1,
+             max_relative_positions=-1, scale):
+        return DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, position_buckets, max_relative_positions, scale)[0]
+
+    return dataclasses.replace(get_ops("reference", "cpu"), deberta_attention=attn)
+
+
+@pytest.mark.parametrize("share_att_key", [True, False])
+def test_encode_through_the_kernel_matches_the_reference(share_att_key):
+    """The whole tiny DeBERTa-v3 (buckets 8 / 16) with the kernel in place of the reference op."""
+    import packedenc as pe
+    from packedenc.models import deberta
+
+    cfg = dataclasses.replace(deberta.PRESETS["tiny"], share_att_key=share_att_key, hidden_size=64)
+    params = deberta.init(cfg, torch.Generator().manual_seed(0))
+    params = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t + 0.1 * torch.randn_like(t), params)
+    b = pe.pack([torch.randint(3, 1000, (n,)) for n in (1, 33, 2, 17)])
+    want = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
+    got = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=_kernel_ops())
+    assert err(got, want) <= 1e-4, err(got, want)
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+GPU_LENGTHS = (1, 2, 127, 128, 129, 255, 256, 257, 511, 512, 513, 2048, 8192)
+V3 = dict(buckets=256, max_pos=512)
+
+
+def _eager_lowp(q, k, v, cu, pk, pq, buckets, max_pos, scale):
+    """HF eager in low precision, one sequence at a time: the three score terms as half GEMM outputs
+    (scaled in half), summed in half, fp32 softmax rounded to half, half P @ V."""
+    out = torch.empty_like(q)
+    for s in range(cu.numel() - 1):
+        a, e = int(cu[s]), int(cu[s + 1])
+        qs, ks, vs = (t[a:e].transpose(0, 1) for t in (q, k, v))  # (H, L, K)
+        sc = qs @ (ks.transpose(-1, -2) * scale)
+        if pk is not None or pq is not None:
+            R = (pk if pk is not None else pq).shape[0]
+            slot = torch.clamp(reference.relative_positions(e - a, buckets, max_pos, q.device) + R // 2, 0, R - 1)
+            idx = slot.expand(qs.shape[0], -1, -1)
+            if pk is not None:
+                sc = sc + torch.gather(qs @ pk.permute(1, 2, 0), -1, idx) * scale
+            if pq is not None:
+                sc = sc + torch.gather(ks @ pq.permute(1, 2, 0), -1, idx.transpose(-1, -2)).transpose(-1, -2) * scale
+        out[a:e] = (torch.softmax(sc.float(), -1).to(q.dtype) @ vs).transpose(0, 1)
+    return out
+
+
+def _ref_per_seq(q, k, v, cu, pk, pq, types, buckets, max_pos, scale):
+    """The fp32 reference one sequence at a time (its padded grid would be S x L^2)."""
+    out = torch.empty_like(q)
+    for s in range(cu.numel() - 1):
+        a, e = int(cu[s]), int(cu[s + 1])
+        one = torch.tensor([0, e - a], dtype=torch.int32, device=q.device)
+        out[a:e] = _ref(q[a:e], k[a:e], v[a:e], one, e - a, pk, pq, types, buckets, max_pos, scale)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_gpu_forward_issue_lengths(dtype, dim):
+    types, scale = ("c2p", "p2c"), 1 / math.sqrt(dim * 3)
+    q, k, v, cu, pk, pq = _inputs(GPU_LENGTHS, types, V3["buckets"], V3["max_pos"], dtype, device="cuda", heads=4,
+                                  dim=dim)
+    L = max(GPU_LENGTHS)
+    kw = dict(pos_att_type=types, position_buckets=256, max_relative_positions=512, scale=scale)
+    o = DA.deberta_attention(q, k, v, cu, L, pk, pq, **kw)
+    ref32 = _ref_per_seq(*_f32(q, k, v), cu, *_f32(pk, pq), types, 256, 512, scale)
+    assert_close_to_ref(o, ref32, _eager_lowp(q, k, v, cu, pk, pq, 256, 512, scale), atol=1e-3,
+                        what=f"{dtype} K={dim}")
+    assert torch.equal(o, DA.deberta_attention(q, k, v, cu, L, pk, pq, **kw))  # deterministic
+    other = other_rows(GPU_LENGTHS, 11)  # everything but the 2048-token sequence
+    k2, v2 = k.clone(), v.clone()
+    k2[other] *= 5
+    v2[other] += 1
+    o2 = DA.deberta_attention(q, k2, v2, cu, L, pk, pq, **kw)
+    assert torch.equal(o[~other], o2[~other]) and not torch.equal(o[other], o2[other])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FWD_CASES))
+@pytest.mark.parametrize("block_max", [16, 32, 64])  # 64: the spilling tile a benchmark sweep may pick
+def test_gpu_forward_every_term_subset(name, block_max, monkeypatch):
+    monkeypatch.setattr(DA, "BLOCK_MAX", block_max)
+    types, buckets, max_pos, same = FWD_CASES[name]
+    lengths = (1, 2, 63, 64, 65, 300, 1000)
+    q, k, v, cu, pk, pq = _inputs(lengths, types, buckets, max_pos, torch.bfloat16, same, "cuda", 4, 64)
+    o = DA.deberta_attention_fwd(q, k, v, cu, max(lengths), pk, pq, buckets, max_pos, 0.07)[0]
+    ref32 = _ref_per_seq(*_f32(q, k, v), cu, *_f32(pk, pq), types, buckets, max_pos, 0.07)
+    assert_close_to_ref(o, ref32, _eager_lowp(q, k, v, cu, pk, pq, buckets, max_pos, 0.07), atol=1e-3, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_backward(dtype, dim):
+    types, lengths, scale = ("c2p", "p2c"), (1, 63, 64, 65, 129, 700), 1 / math.sqrt(dim * 3)
+    q, k, v, cu, pk, pq = _inputs(lengths, types, 256, 512, dtype, device="cuda", heads=4, dim=dim)
+    L = max(lengths)
+    do = torch.randn_like(q)
+
+    def grads(f, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v, pk, pq)]
+        return torch.autograd.grad(f(*leaves), leaves, do.to(cast))
+
+    kw = dict(pos_att_type=types, position_buckets=256, max_relative_positions=512, scale=scale)
+    got = grads(lambda q, k, v, pk, pq: DA.deberta_attention(q, k, v, cu, L, pk, pq, **kw), dtype)
+    lowp = grads(lambda q, k, v, pk, pq: _eager_lowp(q, k, v, cu, pk, pq, 256, 512, scale), dtype)
+    f32 = grads(lambda q, k, v, pk, pq: reference.deberta_attention(q, k, v, cu, L, pk, pq, **kw), torch.float32)
+    for what, a, b, c in zip(("dq", "dk", "dv", "dpk", "dpq"), got, lowp, f32):
+        assert_close_to_ref(a, c, b, atol=1e-3, what=f"{what} {dtype} K={dim}")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_the_kernel_and_replays_in_a_cuda_graph():
+    ops = get_ops("auto", "cuda")
+    assert dict(ops.chosen)["deberta_attention"] == "triton"
+    types = ("c2p", "p2c")
+    q, k, v, cu, pk, pq = _inputs((5, 300, 1), types, 256, 512, torch.bfloat16, device="cuda", heads=4, dim=64)
+    kw = dict(pos_att_type=types, position_buckets=256, max_relative_positions=512, scale=0.07)
+    eager = ops.deberta_attention(q, k, v, cu, 300, pk, pq, **kw)  # warm-up: compiles, caches the table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.deberta_attention(q, k, v, cu, 300, pk, pq, **kw)
+    graph.replay()
+    assert torch.equal(out, eager)
+    f = lambda q: ops.deberta_attention(q, k, v, cu, 300, pk, pq, **kw)  # noqa: E731
+    # compiled: the registered op (same kernel with the LSE output switched on)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q), eager, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_encode_matches_the_fp32_reference(dtype):
+    """DeBERTa-v3-shaped layers (K = 64, buckets 256 / 512) on the auto backend vs fp32 reference."""
+    import packedenc as pe
+    from packedenc.models import deberta
+
+    cfg = dataclasses.replace(deberta.PRESETS["v3-base"], num_hidden_layers=2, hidden_size=256,
+                              num_attention_heads=4, intermediate_size=512, vocab_size=1000)
+    params = deberta.init(cfg, torch.Generator().manual_seed(0))
+    params = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t + 0.05 * torch.randn_like(t), params)
+    lengths = (1, 2, 37, 128, 129, 600, 1500)
+    b = pe.pack([torch.randint(3, 1000, (n,)) for n in lengths], device="cuda")
+    want = pe.encode(pe.tree_to(params, "cuda"), b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
+    low = pe.tree_to(pe.tree_cast(params, dtype), "cuda")
+    got = pe.encode(low, b.ids, b.cu_seqlens, b.max_seqlen, backend="auto")
+    cos = torch.nn.functional.cosine_similarity(got.float(), want, dim=-1)
+    assert cos.min() >= 0.999, cos.min()
