@@ -113,9 +113,11 @@ def test_forward_fp16_two_x_rule(name):
     assert_close_to_ref(o, ref32, ref16, atol=2e-3, what=name)
 
 
-def test_forward_strided_qkv_views_head_dim_tail_and_loose_max_seqlen():
-    """q/k/v as slices of a fused (T, 3, H, K) qkv, a head dim (24) below its 32-wide block, and a
-    max_seqlen above the longest sequence (extra query blocks exit early)."""
+def test_forward_strided_qkv_views_head_dim_tail_loose_max_seqlen_and_chunked_grid(monkeypatch):
+    """q/k/v as slices of a fused (T, 3, H, K) qkv, a head dim (24) below its 32-wide block, a
+    max_seqlen above the longest sequence (extra query blocks exit early), and the sequences
+    launched two per grid (as packs of more than 65535 sequences are)."""
+    monkeypatch.setattr(DA, "MAX_GRID_Z", 2)
     lengths, types = (7, 1, 40), ("c2p", "p2c")
     T = sum(lengths)
     qkv = torch.randn(T, 3, 3, 24).to(DEVICE)
@@ -178,7 +180,8 @@ def test_backward_kernels_match_reference(name):
     assert all(torch.equal(a, b) for a, b in zip(got[:3], again[:3]))
 
 
-def test_backward_fp16_two_x_rule():
+def test_backward_fp16_two_x_rule(monkeypatch):
+    monkeypatch.setattr(DA, "MAX_GRID_Z", 2)  # 5 sequences in 3 launches
     types, buckets, max_pos = ("c2p", "p2c"), 4, 6
     q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, torch.float16)
     L = max(LENGTHS)

@@ -32,8 +32,6 @@ The backward (`deberta_attention_bwd.py`) recomputes the tiles the same way.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +40,8 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import check_float, direct_launch
 
-__all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config"]
+__all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config",
+           "seq_chunks"]
 
 LOG2E = 1.4426950408889634
 MIN_TABLE_HALF = 8192  # one table serves every max_seqlen <= 8192 (built once, before any graph capture)
@@ -71,19 +70,20 @@ def slot_table(position_buckets: int, max_relative_positions: int, R: int, max_s
 
     half = max(8192, next_pow2(max_seqlen)) >= max_seqlen - 1, so every pair of a sequence is in
     range (the kernel clamps only distances of masked tile tails). Built on the CPU (the float ties
-    of the log buckets then match HF's CPU build exactly) and copied once; under CUDA-graph
-    capture a missing table is built on the device instead and not cached (a copy from pageable
-    host memory cannot be captured; warm-up calls fill the cache first).
+    of the log buckets then match HF's CPU build exactly) and copied once, so it must exist before
+    a CUDA-graph capture (a host copy cannot be captured): the eager warm-up builds it.
     """
     half = max(MIN_TABLE_HALF, triton.next_power_of_2(max(int(max_seqlen), 1)))
     key = (int(position_buckets), int(max_relative_positions), int(R), half, device)
     table = _TABLES.get(key)
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            d = torch.arange(-half, half + 1, dtype=torch.long, device=device)
-            if position_buckets > 0 and max_relative_positions > 0:
-                d = reference.log_bucket_position(d, position_buckets, max_relative_positions).long()
-            return torch.clamp(d + R // 2, 0, R - 1).to(torch.int32), half
+            raise RuntimeError(
+                "deberta_attention: the relative-position slot table for "
+                f"(position_buckets={position_buckets}, max_relative_positions={max_relative_positions}, "
+                f"max_seqlen<={half}) is built on the first eager call; run one eager forward (warm-up) "
+                "before capturing a CUDA graph"
+            )
         table = _TABLES[key] = _build_slots(position_buckets, max_relative_positions, R, half).to(device)
     return table, half
 
@@ -232,6 +232,16 @@ def launch_config(block: int) -> dict:
     return dict(num_warps=4 if block <= 16 else NUM_WARPS, num_stages=NUM_STAGES)
 
 
+MAX_GRID_Z = 65535  # CUDA's limit on grid dim 2 (sequences): longer packs launch in chunks
+
+
+def seq_chunks(cu_seqlens: Tensor):
+    """(cu_seqlens view, number of sequences) per launch; the kernels read absolute offsets."""
+    S = cu_seqlens.numel() - 1
+    for c in range(0, S, MAX_GRID_Z):
+        yield cu_seqlens[c:], min(MAX_GRID_Z, S - c)
+
+
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -272,16 +282,16 @@ def deberta_attention_fwd(
     pq = pos_query if pos_query is not None else q
     BLOCK = block_size(max_seqlen)
     BLOCK_K = max(16, triton.next_power_of_2(Kd))
-    grid = (triton.cdiv(max_seqlen, BLOCK), H, S)
-    _fwd_kernel[grid](
-        q, k, v, pk, pq, table, cu_seqlens, o, lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-        half, scale * LOG2E,
-        HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
-        C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
-        **launch_config(BLOCK),
-    )
+    for cu, n_seq in seq_chunks(cu_seqlens):
+        _fwd_kernel[(triton.cdiv(max_seqlen, BLOCK), H, n_seq)](
+            q, k, v, pk, pq, table, cu, o, lse,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+            half, scale * LOG2E,
+            HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
+            C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
+            **launch_config(BLOCK),
+        )
     return o, lse
 
 

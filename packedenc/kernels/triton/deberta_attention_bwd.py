@@ -33,7 +33,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton.deberta_attention import (
-    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, launch_config, slot_table,
+    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, launch_config, seq_chunks, slot_table,
 )
 
 __all__ = ["deberta_attention_bwd", "reference_bwd"]
@@ -325,23 +325,24 @@ def deberta_attention_bwd(
         pq = pos_query if pos_query is not None else q
         BLOCK_K = max(16, triton.next_power_of_2(Kd))
         BLOCK = min(block_size(max_seqlen), BLOCK_MAX_BWD)
-        grid = (triton.cdiv(max_seqlen, BLOCK), H, S)
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
         meta = dict(HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, C2P=pos_key is not None, P2C=pos_query is not None,
                     PREC=_prec(q.dtype), **launch_config(BLOCK))
-        dpk_ = dpk if dpk is not None else delta
+        dpk_ = dpk if dpk is not None else delta  # any fp32 pointer when the table is absent
         dpq_ = dpq if dpq is not None else delta
-        _bwd_dq_kernel[grid](
-            q, k, v, pk, pq, table, cu_seqlens, do, lse, delta, dq, dpk_,
-            *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(1) if dpk is not None else 0,
-            half, scale * LOG2E, scale, **meta,
-        )
-        _bwd_dkdv_kernel[grid](
-            q, k, v, pk, pq, table, cu_seqlens, do, lse, delta, dk, dv, dpq_,
-            *common, dk.stride(0), dk.stride(1), lse.stride(0), dpq_.stride(0), dpq_.stride(1) if dpq is not None else 0,
-            half, scale * LOG2E, scale, **meta,
-        )
+        for cu, n_seq in seq_chunks(cu_seqlens):
+            grid = (triton.cdiv(max_seqlen, BLOCK), H, n_seq)
+            _bwd_dq_kernel[grid](
+                q, k, v, pk, pq, table, cu, do, lse, delta, dq, dpk_,
+                *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(-2),
+                half, scale * LOG2E, scale, **meta,
+            )
+            _bwd_dkdv_kernel[grid](
+                q, k, v, pk, pq, table, cu, do, lse, delta, dk, dv, dpq_,
+                *common, dk.stride(0), dk.stride(1), lse.stride(0), dpq_.stride(0), dpq_.stride(-2),
+                half, scale * LOG2E, scale, **meta,
+            )
     else:
         for t in (dq, dk, dv):
             t.zero_()
