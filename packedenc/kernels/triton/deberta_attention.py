@@ -214,7 +214,8 @@ def _fwd_kernel(
 # Tile rows and warps. Chosen from a no-GPU sm_90 compile of these kernels (Triton 3.9, ptxas -v):
 # 32-row tiles with 8 warps use 154-210 registers without spills for head dims 32-128, while
 # 64-row tiles spill 100-500 bytes per thread in the banded path (the band GEMM outputs and the
-# tl.gather shuffles). Module-level so a benchmark sweep can override them; unmeasured on a GPU.
+# tl.gather shuffles), and with Triton 3.6 on an H200 they fail to compile (TritonGPUPipeline).
+# Module-level so a benchmark sweep can override them.
 BLOCK_MAX = 32
 NUM_WARPS = 8
 NUM_STAGES = 2
