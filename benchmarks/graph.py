@@ -19,7 +19,7 @@ Method: CUDA events around each repetition (one pass over every batch), after a 
 the median repetition gives real (unpadded) tokens/s; peak reserved memory is reset (after
 emptying the cache) before each (system, workload). Records go to
 benchmarks/results/graph_<gpu>.json with system, workload, tokens_per_s, peak_reserved_gb, gpu,
-commit, plus extras. Self-contained on purpose (no benchmarks/common.py dependency).
+commit, plus extras. Its own workload and systems; commit and GPU names come from benchmarks.report.
 
 Shapes: T packed tokens, S sequences, B padded batch, L padded length, D width, H heads, K head dim.
 """
@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
-import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +40,8 @@ from torch import Tensor
 import packedenc as pe
 from packedenc.models.graph_transformer import GraphTransformerConfig, init
 from packedenc.pytree import tree_cast, tree_leaves, tree_map
+
+from benchmarks.report import git_commit, gpu_slug
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("fwd-fp32", "fwd-bf16", "train-fp32", "train-bf16")
@@ -192,23 +192,6 @@ def measure(fn, params, batches, train: bool, reps: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times), torch.cuda.max_memory_reserved() / 2**30
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def gpu_slug(name: str) -> str:
-    s = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.I).lower()
-    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "unknown"
 
 
 # ---- main -------------------------------------------------------------------------------------
