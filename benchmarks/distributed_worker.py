@@ -234,6 +234,9 @@ def main(args: argparse.Namespace) -> int:
               f"(reps {', '.join(f'{s:.3f}s' for s in result['seconds'])}; warm-up {result['warmup_s']:.1f}s)",
               flush=True)
     if pdist.is_initialized():
+        import gc
+
+        gc.collect()  # the DDP model first: one that outlives its process group can hang on exit
         torch.distributed.destroy_process_group()
     return 0
 

@@ -108,7 +108,12 @@ def mean_over_ranks(x: torch.Tensor) -> float:
 
 
 def finish() -> None:
+    """Leave the process group. Call it after the DDP model is gone (e.g. after `main()` returns):
+    a DDP module that outlives its process group can hang in its destructor (seen with gloo)."""
     if pdist.is_initialized():
+        import gc
+
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 

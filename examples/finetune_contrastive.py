@@ -58,8 +58,8 @@ def main() -> None:
     if pdist.rank() == 0:
         report(losses)
         save_and_check(pdist.unwrap(model), args.out)
-    finish()
 
 
 if __name__ == "__main__":
     main()
+    finish()  # once main's DDP model is freed

@@ -188,10 +188,10 @@ def fingerprint(model: Any, texts: Sequence[str], shard_size: int, options: dict
                 model_id: str | None = None) -> dict[str, Any]:
     """What must not change between a job and its resumption (plain JSON)."""
     h = hashlib.sha256()
-    for t in texts:  # length-prefixed, so ["ab", "c"] and ["a", "bc"] differ
-        b = t.encode("utf-8", "surrogatepass")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
+    for i in range(0, len(texts), 65536):  # lengths, then text: ["ab", "c"] and ["a", "bc"] differ
+        part = texts[i:i + 65536]
+        h.update(np.fromiter(map(len, part), dtype=np.int64, count=len(part)).tobytes())
+        h.update("".join(part).encode("utf-8", "surrogatepass"))
     cfg = json.dumps(model.params.config.to_hf(), sort_keys=True, default=str)
     leaf = next(t for t in torch.utils._pytree.tree_leaves(model.params) if isinstance(t, torch.Tensor))
     return {
@@ -225,8 +225,9 @@ def _agree_on_plan(out: Path, fp: dict[str, Any], chunks: list[tuple[int, int]])
     if err is None and pdist.rank() != 0:
         try:
             if plan["fingerprint"] != fp:
-                raise InputError(f"rank {pdist.rank()} got a different input than rank 0 ({_diff(plan['fingerprint'], fp)}): "
-                                 "pass the same full list of texts and options on every rank; the split happens inside")
+                raise InputError(f"rank {pdist.rank()} got a different input than rank 0 "
+                                 f"({_diff(plan['fingerprint'], fp)}): pass the same full list of texts and "
+                                 "options on every rank; the split happens inside")
             _check_shared(out, plan["nonce"])
         except (InputError, ConfigError) as e:
             err = _err(e)
@@ -303,7 +304,8 @@ def _read_job(out: Path) -> dict[str, Any] | None:
         raise InputError(f"{out / 'job.json'} is unreadable ({e}): delete the folder and start again") from None
 
 
-def _fill(out: Path, chunks: list[tuple[int, int]], done: dict[tuple[int, int], dict[str, Any]], dst: np.ndarray) -> None:
+def _fill(out: Path, chunks: list[tuple[int, int]], done: dict[tuple[int, int], dict[str, Any]],
+          dst: np.ndarray) -> None:
     for s, e in chunks:
         a = np.load(out / done[(s, e)]["file"])
         if zlib.crc32(a.tobytes()) != done[(s, e)]["crc32"]:
@@ -344,10 +346,10 @@ def _group() -> Any:
     NCCL barrier would time out after 10 minutes), and only small host objects travel."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
-    return _GROUPS[key]
+    world = dist.group.WORLD
+    if id(world) not in _GROUPS:  # the cache keeps `world` alive, so its id is never reused
+        _GROUPS[id(world)] = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7)))
+    return _GROUPS[id(world)][1]
 
 
 def _broadcast(obj: Any) -> Any:

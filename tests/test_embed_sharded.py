@@ -129,6 +129,15 @@ def test_resuming_with_a_different_job_is_an_error(tmp_path, model, change, fiel
     assert shard_mtimes(tmp_path) == before
 
 
+def test_fingerprint_sees_text_boundaries_and_the_model(model):
+    from packedenc.embed_sharded import fingerprint
+
+    fp = fingerprint(model, ["ab", "c"], 7, {})
+    assert fp["texts"] != fingerprint(model, ["a", "bc"], 7, {})["texts"]
+    assert fp == fingerprint(model, ["ab", "c"], 7, {})
+    assert fp["model"] != fingerprint(model.to(dtype=torch.float16), ["ab", "c"], 7, {})["model"]
+
+
 def test_bad_arguments(tmp_path, model):
     with pytest.raises(pe.InputError, match="shard_size must be a positive int"):
         embed_to_dir(model, texts(), tmp_path, shard_size=0)
@@ -216,9 +225,11 @@ def test_cli_errors(tmp_path, capsys):
     assert "merged vectors are a .npy file" in capsys.readouterr().err
     assert cli.main(["embed", "-i", str(src), "--out-dir", d, "--shard-size", "0", "--device", "cpu"]) == 2
     assert "shard_size must be a positive int" in capsys.readouterr().err
-    assert cli.main(["embed", "-i", str(src), "--out-dir", d, "--device", "cpu", "--no-progress", "--shard-size", "1"]) == 0
+    job = ["embed", "-i", str(src), "--out-dir", d, "--device", "cpu", "--no-progress", "--shard-size", "1"]
+    assert cli.main(job) == 0
     assert "2 shard(s), 0 already done, 2 computed by 1 process(es)" in capsys.readouterr().out
     src.write_text("one\nthree\n")
-    assert cli.main(["embed", "-i", str(src), "--out-dir", d, "--device", "cpu", "--shard-size", "1"]) == 2
+    assert cli.main(job) == 2
     assert "holds a different job (texts.sha256" in capsys.readouterr().err
-    torch.testing.assert_close(torch.from_numpy(merge(d)), pe.embed(MINILM, ["one", "two"], device="cpu", progress=False))
+    ref = pe.embed(MINILM, ["one", "two"], device="cpu", progress=False)
+    torch.testing.assert_close(torch.from_numpy(merge(d)), ref)  # the first job's shards are untouched
