@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gpus = sorted(set(args.gpus) | {1})  # scaling needs the 1-GPU run of the same invocation
     if args.device == "cuda":
-        have = torch.cuda.device_count()  # NVML: no CUDA context in this process
+        have = torch.cuda.device_count()  # this process only launches: it allocates nothing on a GPU
         if have == 0:
             print("no CUDA device: this benchmark needs GPUs (use --device cpu --tiny to smoke-test the harness)")
             return 2
