@@ -32,8 +32,9 @@ def main() -> None:
     losses = []
     for step in range(args.steps):
         b, y = make_batch(32, params.config.vocab_size, g, args.device)
-        h = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, compute_dtype=dt)
-        loss = classification_loss(modernbert.classify(params, h, b.cu_seqlens), y)
+        p = pe.tree_cast(params, dt) if dt else params  # bf16 compute, fp32 master weights get the grads
+        h = pe.encode(p, b.ids, b.cu_seqlens, b.max_seqlen)
+        loss = classification_loss(modernbert.classify(p, h, b.cu_seqlens), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

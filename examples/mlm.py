@@ -33,8 +33,9 @@ def main() -> None:
         ids, pos, tgt = mask_tokens(b.ids, mask_token_id=mask_id, vocab_size=cfg.vocab_size - 1,
                                     special_ids=torch.tensor([0, 1, 2]), prob=0.3, generator=g)
         dev = args.device
-        h = pe.encode(params, ids.to(dev), b.cu_seqlens.to(dev), b.max_seqlen, compute_dtype=dt)
-        loss = mlm_loss(params, h, pos.to(dev), tgt.to(dev))
+        p = pe.tree_cast(params, dt) if dt else params  # bf16 compute, fp32 master weights get the grads
+        h = pe.encode(p, ids.to(dev), b.cu_seqlens.to(dev), b.max_seqlen)
+        loss = mlm_loss(p, h, pos.to(dev), tgt.to(dev))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
