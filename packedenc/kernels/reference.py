@@ -262,6 +262,8 @@ def deberta_attention(
     position_buckets: int = -1,
     max_relative_positions: int = -1,
     scale: float,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> Tensor:
     """DeBERTa-v2 disentangled attention (content + c2p + p2c) inside each packed sequence.
 
@@ -279,6 +281,8 @@ def deberta_attention(
         position_buckets: > 0 turns on log buckets (span = position_buckets); <= 0: span =
             max_relative_positions and r(d) = d. max_relative_positions: resolved value (>= 1).
         scale: multiplier of every term, 1 / sqrt(K * (1 + len(config pos_att_type))).
+        dropout_p, dropout_seed: dropout on the attention probabilities (training), with a mask
+            drawn from a generator seeded by `dropout_seed` (reference backend only).
     Return:
         (T, H, K) in q's dtype. fp32 scores and softmax.
 
@@ -317,7 +321,13 @@ def deberta_attention(
     # Padded query rows see every column so no row is all -inf (NaN would poison gradients).
     mask_SLL = key_ok_SL[:, None, :] | ~key_ok_SL[:, :, None]
     scores = scores.masked_fill(~mask_SLL[:, None], float("-inf"))
-    o_SHLK = torch.einsum("shij,shjk->shik", torch.softmax(scores, dim=-1), v)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0 and dropout_seed is not None:  # HF: dropout on the probabilities, before @ V
+        g = torch.Generator(device=probs.device)
+        g.manual_seed(dropout_seed)
+        keep = torch.rand(probs.shape, generator=g, device=probs.device) >= dropout_p
+        probs = probs * keep / (1.0 - dropout_p)
+    o_SHLK = torch.einsum("shij,shjk->shik", probs, v)
     return o_SHLK.transpose(1, 2)[seq_T, pos_T].to(q_THK.dtype)
 
 

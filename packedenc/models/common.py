@@ -84,18 +84,21 @@ def dropout(x: Tensor, p: float, seed: int | None, *salt: int) -> Tensor:
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
-def attention_dropout(p: float, field: str, ops: Any, seed: int | None, layer: int) -> dict[str, Any]:
+def attention_dropout(p: float, field: str, ops: Any, seed: int | None, layer: int,
+                      op: str = "varlen_attention") -> dict[str, Any]:
     """Keyword arguments that turn on dropout of the attention probabilities, or {} when off.
 
-    Only the reference attention takes a dropout mask; with another attention backend a training
-    config that asks for it is an error that says how to proceed, never a silent no-dropout.
+    Only the reference attention (`op` names the Ops entry) takes a dropout mask; with another
+    attention backend a training config that asks for it is an error that says how to proceed,
+    never a silent no-dropout.
     """
     if seed is None or p == 0.0:
         return {}
-    if dict(ops.chosen)["varlen_attention"] != "reference":
+    chosen = dict(ops.chosen)[op]
+    if chosen != "reference":
         raise ConfigError(
-            f"{field}={p} in training needs backend='reference' for attention (the flash varlen kernels "
-            f"take no dropout here); or set it to 0: dataclasses.replace(params, "
-            f"config=dataclasses.replace(params.config, {field}=0.0))"
+            f"{field}={p} in training needs backend='reference' for attention (the {chosen} {op} kernel "
+            f"takes no dropout mask); to train with the {chosen} kernel set it to 0: dataclasses.replace("
+            f"params, config=dataclasses.replace(params.config, {field}=0.0))"
         )
     return {"dropout_p": p, "dropout_seed": mix_seed(seed, layer, 0)}

@@ -32,6 +32,8 @@ class DebertaConfig:
     type_vocab_size: int = 0
     initializer_range: float = 0.02
     layer_norm_eps: float = 1e-7
+    hidden_dropout_prob: float = 0.1  # training only (with `dropout_seed`), HF's train-mode sites
+    attention_probs_dropout_prob: float = 0.1  # reference attention only (the Triton kernel has none)
     relative_attention: bool = False
     max_relative_positions: int = -1  # < 1 means max_position_embeddings
     position_buckets: int = -1  # > 0: log buckets, and the tables have 2 * position_buckets rows

@@ -13,14 +13,16 @@ F intermediate, V vocab, R = 2 * att_span relative-position rows.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
-from packedenc.models.common import prepare_inputs
+from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.models.deberta.config import DebertaConfig
 from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer
 from packedenc.packing import pool_first
+from packedenc.pytree import tree_cast
 
 
 def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: Tensor | None,
@@ -52,15 +54,17 @@ def rel_embeddings(params: DebertaParams, ops: Ops) -> Tensor | None:
     return rel_RD
 
 
-def position_projections(p: Layer, rel_RD: Tensor | None, cfg: DebertaConfig,
-                         ops: Ops) -> tuple[Tensor | None, Tensor | None]:
+def position_projections(p: Layer, rel_RD: Tensor | None, cfg: DebertaConfig, ops: Ops,
+                         seed: int | None = None, i: int = 0) -> tuple[Tensor | None, Tensor | None]:
     """One layer's (pos_key_RHK, pos_query_RHK) tables: its projections of the shared rel_RD, biases included.
 
     With share_att_key they are the layer's own key / query projections (row blocks of the fused
     qkv leaf), else the separate pos_key_proj / pos_query_proj. None for a term not in pos_att_type.
+    `seed` (training) applies HF's per-layer `pos_dropout` to rel_RD first.
     """
     if rel_RD is None:
         return None, None
+    rel_RD = dropout(rel_RD, cfg.hidden_dropout_prob, seed, i, 3)
     R, H, K = rel_RD.shape[0], cfg.num_attention_heads, cfg.head_dim
     HK, a = H * K, p.attention
     pk = pq = None
@@ -80,28 +84,34 @@ def position_projections(p: Layer, rel_RD: Tensor | None, cfg: DebertaConfig,
 
 
 def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_RHK: Tensor | None,
-          pos_query_RHK: Tensor | None, cfg: DebertaConfig, ops: Ops) -> Tensor:
-    """One post-LN DeBERTa layer over a padding-free buffer. Pure: returns a new tensor."""
+          pos_query_RHK: Tensor | None, cfg: DebertaConfig, ops: Ops, i: int = 0,
+          seed: int | None = None) -> Tensor:
+    """One post-LN DeBERTa layer over a padding-free buffer. Pure: returns a new tensor.
+
+    `seed` turns on HF's train-mode dropout sites: attention probabilities, attention output and
+    FFN output (before their residual LayerNorms), masks drawn from (seed, layer i, site)."""
     T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
     qkv_T3HK = ops.linear(x_TD, p.attention.qkv.weight, p.attention.qkv.bias).view(T, 3, H, K)
+    drop = attention_dropout(cfg.attention_probs_dropout_prob, "attention_probs_dropout_prob", ops, seed, i,
+                             op="deberta_attention")
     o_THK = ops.deberta_attention(
         qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2], cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK,
         pos_att_type=cfg.attention_pos_types, position_buckets=cfg.position_buckets,
-        max_relative_positions=cfg.max_relative, scale=cfg.scale,
+        max_relative_positions=cfg.max_relative, scale=cfg.scale, **drop,
     )
-    ao, out = p.attention_output, p.output
-    y_TD = ops.linear(o_THK.reshape(T, H * K), ao.dense.weight, ao.dense.bias)
+    ao, out, p_drop = p.attention_output, p.output, cfg.hidden_dropout_prob
+    y_TD = dropout(ops.linear(o_THK.reshape(T, H * K), ao.dense.weight, ao.dense.bias), p_drop, seed, i, 1)
     a_TD, _ = ops.add_layer_norm(y_TD, x_TD, ao.layer_norm.weight, ao.layer_norm.bias, cfg.layer_norm_eps)
     h_TF = ops.activation(ops.linear(a_TD, p.intermediate.weight, p.intermediate.bias), cfg.hidden_act)
-    y_TD = ops.linear(h_TF, out.dense.weight, out.dense.bias)
+    y_TD = dropout(ops.linear(h_TF, out.dense.weight, out.dense.bias), p_drop, seed, i, 2)
     return ops.add_layer_norm(y_TD, a_TD, out.layer_norm.weight, out.layer_norm.bias, cfg.layer_norm_eps)[0]
 
 
 def conv_layer(p: ConvLayer, emb_TD: Tensor, layer0_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-               cfg: DebertaConfig, ops: Ops) -> Tensor:
-    """HF ConvLayer: LayerNorm(layer0 + act(conv(embeddings))), the conv zero-padded per sequence."""
+               cfg: DebertaConfig, ops: Ops, seed: int | None = None) -> Tensor:
+    """HF ConvLayer: LayerNorm(layer0 + act(dropout(conv(embeddings)))), the conv zero-padded per sequence."""
     c_TD = ops.varlen_conv1d(emb_TD, p.conv.weight, p.conv.bias, cu_seqlens, max_seqlen, cfg.conv_groups)
-    c_TD = ops.activation(c_TD, cfg.conv_act)
+    c_TD = ops.activation(dropout(c_TD, cfg.hidden_dropout_prob, seed, -2, 0), cfg.conv_act)
     return ops.add_layer_norm(layer0_TD, c_TD, p.layer_norm.weight, p.layer_norm.bias, cfg.layer_norm_eps)[0]
 
 
@@ -134,6 +144,9 @@ def encode(
     token_type_ids: Tensor | None = None,
     backend: str | Ops = "auto",
     validate: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    dropout_seed: int | None = None,
+    checkpoint: bool = False,
 ) -> Tensor:
     """Last hidden state of every packed token.
 
@@ -147,8 +160,17 @@ def encode(
             ignored otherwise, as in transformers.
         backend: "auto", "reference", ... or an `Ops` table.
         validate: check values of ids / cu_seqlens / token_type_ids even on a GPU (syncs).
+        compute_dtype: run in this dtype (e.g. bf16) while params stay in theirs (fp32 master
+            weights); gradients flow back to the original leaves.
+        dropout_seed: None = no dropout (inference). An int turns on HF's train-mode dropout
+            (hidden_dropout_prob on the embeddings, the relative embeddings of each layer, the
+            attention and FFN outputs and the conv; attention_probs_dropout_prob on the attention
+            probabilities, reference attention only) with masks derived from (seed, layer, site).
+        checkpoint: recompute each layer in the backward pass instead of keeping its activations
+            (torch.autograd only). The relative-position tables are still computed once per forward,
+            outside the recomputed layers.
     Return:
-        (T, D) in the params' dtype.
+        (T, D) in the compute dtype (the params' dtype when None).
     """
     cfg = params.config
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
@@ -160,16 +182,24 @@ def encode(
             "model's absolute position embeddings; truncate or split the sequences"
         )
     token_type_ids = _check_token_types(token_type_ids, ids, cfg, validate or ids.device.type == "cpu")
-    ops = get_ops(backend, ids.device)
+    if compute_dtype is not None:
+        params = tree_cast(params, compute_dtype)
+    ops, seed = get_ops(backend, ids.device), dropout_seed
     emb_TD = embed(params.embeddings, ids, positions, token_type_ids, cfg, ops)
+    emb_TD = dropout(emb_TD, cfg.hidden_dropout_prob, seed, -1, 0)
     rel_RD = rel_embeddings(params, ops)
-    # Position tables depend on the weights only: computed once per forward, before the layers.
-    tables = [position_projections(p, rel_RD, cfg, ops) for p in params.encoder.layer]
+    # Position tables depend on the weights only: computed once per forward, before the layers
+    # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer).
+    tables = [position_projections(p, rel_RD, cfg, ops, seed, i) for i, p in enumerate(params.encoder.layer)]
     x_TD = emb_TD
     for i, (p, (pk, pq)) in enumerate(zip(params.encoder.layer, tables)):
-        x_TD = layer(p, x_TD, cu_seqlens, max_seqlen, pk, pq, cfg, ops)
+        args = (p, x_TD, cu_seqlens, max_seqlen, pk, pq, cfg, ops, i, seed)
+        if checkpoint and torch.is_grad_enabled():
+            x_TD = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+        else:
+            x_TD = layer(*args)
         if i == 0 and params.encoder.conv is not None:  # its input is the embedding output
-            x_TD = conv_layer(params.encoder.conv, emb_TD, x_TD, cu_seqlens, max_seqlen, cfg, ops)
+            x_TD = conv_layer(params.encoder.conv, emb_TD, x_TD, cu_seqlens, max_seqlen, cfg, ops, seed)
     return x_TD
 
 
