@@ -3,6 +3,7 @@
     python -m benchmarks.encode --model modernbert-base            # full run (H200: < ~6 min)
     python -m benchmarks.encode --model modernbert-base --quick    # smaller (H200: < ~2 min)
     python -m benchmarks.encode --model modernbert-base --workloads query doc-64k --systems packedenc
+    python -m benchmarks.encode --model deberta-v3-base           # issue 5: fp16, peers if installed
 
 Weights are random (speed does not depend on their values), built from the public config in code:
 no hub access. Prints real tokens/s and peak reserved memory per system, a table with the minimum
@@ -38,6 +39,8 @@ class ModelBench:
     reference: str  # system whose probe output the others are compared with
     dtype: torch.dtype = torch.bfloat16
     vocab_size: Callable[[Any], int] = lambda p: p.config.vocab_size
+    default_workloads: tuple[str, ...] | None = None  # None: every workload, batched and in 64k packs
+    report: Callable[[list[dict[str, Any]]], str] | None = None  # printed after the table (targets)
 
 
 # ---- ModernBERT ---------------------------------------------------------------------------------
@@ -97,11 +100,25 @@ TINY_WORKLOADS = {  # CPU smoke test of the harness only
     "doc": WorkloadSpec("doc", 16, 60, 0.7, 16, 128, 4),
 }
 
+
+def _deberta(tiny: bool) -> ModelBench:
+    from benchmarks import deberta_systems as ds
+
+    workloads = ds.TINY_WORKLOADS if tiny else common.DEBERTA_WORKLOADS
+    return ModelBench("deberta-tiny" if tiny else "deberta", workloads,
+                      ds.make_params(ds.DEBERTA_TINY if tiny else ds.DEBERTA_V3_BASE), ds.make_systems,
+                      reference=ds.REFERENCE, dtype=torch.float32 if tiny else torch.float16,
+                      default_workloads=tuple(workloads), report=ds.target_report)
+
+
 MODELS: dict[str, ModelBench] = {
     "modernbert-base": ModelBench("modernbert", common.MODERNBERT_WORKLOADS, _modernbert_params(MODERNBERT_BASE),
                                   _modernbert_systems, reference="torch-packed"),
     "modernbert-tiny": ModelBench("modernbert-tiny", TINY_WORKLOADS, _modernbert_params(MODERNBERT_TINY),
                                   _modernbert_systems, reference="torch-packed", dtype=torch.float32),
+    # issue 5: the three DeBERTa workloads by default (`--workloads mnli-64k ...` adds packs)
+    "deberta-v3-base": _deberta(tiny=False),
+    "deberta-tiny": _deberta(tiny=True),  # CPU smoke test of the harness
 }
 
 
@@ -111,7 +128,7 @@ MODELS: dict[str, ModelBench] = {
 def _workloads(bench: ModelBench, names: list[str] | None, vocab_size: int, seed: int) -> list[Workload]:
     budget_suffix = f"-{BUDGET_TOKENS // 1024}k"
     all_names = list(bench.workloads) + [n + budget_suffix for n in bench.workloads]
-    names = names or all_names
+    names = names or list(bench.default_workloads or all_names)
     unknown = [n for n in names if n not in all_names]
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {all_names}")
@@ -131,7 +148,7 @@ def _probe(w: Workload) -> Batch:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.encode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="modernbert-base", choices=sorted(MODELS))
-    ap.add_argument("--workloads", nargs="*", help="default: every workload, batched and in 64k-token packs")
+    ap.add_argument("--workloads", nargs="*", help="default: every workload, batched and in 64k-token packs (DeBERTa: the issue's three)")
     ap.add_argument("--systems", nargs="*", help="default: every system of the model")
     ap.add_argument("--quick", action="store_true", help="fewer, smaller repetitions (results in *_quick.json)")
     ap.add_argument("--device", default="cuda")
@@ -144,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this benchmark needs a GPU (use --device cpu --model modernbert-tiny to "
-              "smoke-test the harness)")
+        print("no CUDA device: this benchmark needs a GPU (use --device cpu --model modernbert-tiny or "
+              "deberta-tiny to smoke-test the harness)")
         return 2
     bench = MODELS[args.model]
     cfg = BenchConfig(reps=args.reps or (3 if args.quick else 5),
@@ -188,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f}s); "
           f"real tokens/s (peak reserved GB), min cos vs {bench.reference} on a probe batch:")
     print(common.format_table(records, cos))
+    if bench.report is not None:
+        print("\n" + bench.report(records))
     if not args.no_write:
         stem = f"{bench.key}_{common.gpu_slug(env['device'])}{'_quick' if args.quick else ''}"
         path = args.out_dir / f"{stem}.json"

@@ -1,0 +1,384 @@
+"""DeBERTa-v3 contenders for `python -m benchmarks.encode --model deberta-v3-base` (issue 5).
+
+Every system gets the same random fp16 weights: one host `DebertaParams` tree (packedenc) whose
+HF state dict (`convert.hf.to_state_dict`) is loaded, key for key, into the transformers, FlashDeBERTa
+and DisentangledFlash models.
+
+- `packedenc` / `packedenc+graphs`: `packedenc.encode(backend="auto")`, eager and replayed from
+  CUDA graphs (`packedenc.cuda_graphs.graphed`; on a CPU the same bucketed buffers run eagerly).
+- `hf-eager`: transformers `DebertaV2Model`, attn_implementation="eager" (DeBERTa has no other),
+  right-padded to each batch's longest sequence.
+- `flashdeberta`: FlashDeBERTa 0.0.8 `FlashDebertaV2Model` on the same padded batches (its own
+  dispatch: padded kernel, varlen kernel when padding is present and L >= 1024).
+- `disentangled-flash`: DisentangledFlash 1.1.1 packed path: `optimize_deberta(model, inference=True,
+  sequence_lengths=<its 9 length families>)`, HF embeddings run on the packed ids as one (1, T) row
+  (exact for v3: no absolute positions; absolute ones are passed per token when a config has them),
+  then `encoder.forward_packed(tokens, cu_seqlens, max_seqlen, packed_info=...)` with the host
+  boundary info built outside the timed region (no device->host copy per call).
+- `packedenc-ref-fp32`: the reference backend in fp32; runs only the probe batch (the oracle of
+  the "min cos" column), never timed.
+
+A peer that cannot be imported is listed with its records marked skipped, "absent: pip install
+..."; a peer that imports but fails is recorded as failed with its error. Nothing here raises.
+
+Shapes: T packed tokens, S sequences, L padded length, D hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import packedenc as pe
+from benchmarks.common import Batch, System, Workload, WorkloadSpec
+from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem
+
+# module -> pip requirement of the version the issue names
+PEERS = {"flashdeberta": "flashdeberta==0.0.8", "disentangled_flash": "disentangled-flash==1.1.1"}
+# DisentangledFlash's length families (its README's `sequence_lengths`), prepared in setup
+DF_LENGTHS = (64, 128, 384, 512, 768, 1024, 2048, 4096, 8192)
+REFERENCE = "packedenc-ref-fp32"
+
+DEBERTA_V3_BASE: dict[str, Any] = {}  # packedenc's PRESETS["v3-base"] as it is
+# CPU smoke test of the harness: head dim 32 (what the peers' kernels accept), tiny buckets
+DEBERTA_TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=128, position_buckets=8, max_relative_positions=16)
+TINY_WORKLOADS = {  # the issue's names, so the target report runs on them too
+    "mnli": WorkloadSpec("mnli", 64, 12, 0.45, 2, 64, 16),
+    "doc1k": WorkloadSpec("doc1k", 16, 40, 0.7, 8, 96, 4),
+    "long": WorkloadSpec("long", 1, 200, 0.0, 200, 200, 1),
+}
+
+
+def make_params(overrides: dict[str, Any], preset: str = "v3-base") -> Callable[[torch.dtype], Any]:
+    """`make(dtype)` -> seeded random host params of PRESETS[preset] with `overrides`."""
+
+    def make(dtype: torch.dtype) -> Any:
+        from packedenc.models import deberta
+
+        cfg = dataclasses.replace(deberta.PRESETS[preset], **overrides)
+        return deberta.init(cfg, torch.Generator().manual_seed(0), dtype=dtype)
+
+    return make
+
+
+def _resident_gb(device: torch.device) -> dict[str, float]:
+    """Memory a system holds between calls (weights, caches), read right after its setup."""
+    if device.type != "cuda":
+        return {}
+    return {"resident_gb": torch.cuda.memory_allocated(device) / 2**30}
+
+
+def _load_exact(model: torch.nn.Module, sd: dict[str, Tensor], what: str) -> torch.nn.Module:
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{what} keys differ from packedenc's export: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    return model.eval()
+
+
+def hf_builder(host_params: Any, dtype: torch.dtype, flash: Any = None) -> Callable[[torch.device], Any]:
+    """`build(device)` -> transformers DebertaV2Model (eager) or, with `flash` (the imported
+    flashdeberta module), its FlashDebertaV2Model, holding `host_params`' weights, in eval mode."""
+
+    def build(device: torch.device) -> torch.nn.Module:
+        import transformers
+
+        from packedenc.convert.hf import to_state_dict
+
+        sd, cfg_dict = to_state_dict(host_params)
+        if flash is None:
+            cfg = transformers.DebertaV2Config.from_dict(cfg_dict)
+            with torch.device(device):
+                model = transformers.DebertaV2Model._from_config(cfg, attn_implementation="eager", dtype=dtype)
+            return _load_exact(model, sd, "DebertaV2Model")
+        # FlashDeBERTa ships its own config class; its model always uses its flash attention.
+        cfg = importlib.import_module("flashdeberta.model").DebertaV2Config(**cfg_dict)
+        with torch.device(device):
+            model = flash.FlashDebertaV2Model(cfg).to(dtype)
+        return _load_exact(model, sd, "FlashDebertaV2Model")
+
+    return build
+
+
+def import_peer(module: str) -> tuple[Any, str | None]:
+    """(module, None) when it imports, else (None, why): 'absent: pip install ...' or 'broken: ...'."""
+    try:
+        return importlib.import_module(module), None
+    except ImportError as e:
+        dep = getattr(e, "name", None)
+        extra = f" (its dependency {dep!r} is missing)" if dep and dep.split(".")[0] != module else ""
+        return None, f"absent: pip install {PEERS[module]}{extra}"
+    except Exception as e:  # noqa: BLE001 - an incompatible version must not end the run
+        return None, f"broken: import {module} failed ({type(e).__name__}: {str(e)[:160]})"
+
+
+def peer_version(module: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(PEERS[module].split("==")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---- systems ------------------------------------------------------------------------------------
+
+
+class PackedencDeberta(PackedencSystem):
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), **_resident_gb(self.device)}
+
+
+class GraphedDeberta(GraphedSystem):
+    """packedenc from CUDA graphs. Graphs of one workload are dropped when the next one starts, so
+    each workload's peak memory holds its own graphs only. Without CUDA: the same buckets, eager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._workload: str | None = None
+
+    def setup(self) -> None:
+        from packedenc.cuda_graphs import graphed
+
+        self.params = pe.tree_to(self.host_params, self.device)
+        self.graphed = graphed(self.params, max_tokens=self.max_tokens, max_seqs=self.max_seqs,
+                               backend=self.backend, max_graphs=64, capture=self.device.type == "cuda")
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        # The runner asks this first for every workload, before it resets the memory counters:
+        # the one place to free the previous workload's graphs (their buckets rarely recur).
+        if self.graphed is not None and workload.name != self._workload:
+            self.graphed.clear()
+            self._workload = workload.name
+        return super().skip_reason(workload)
+
+    def info(self) -> dict[str, Any]:
+        mode = "captured" if self.device.type == "cuda" else "eager buckets (no CUDA)"
+        return {**super().info(), "graphs": mode, **_resident_gb(self.device)}
+
+
+class ReferenceProbe(PackedencSystem):
+    """packedenc's reference backend in fp32 on the probe batch only: the oracle of 'min cos'."""
+
+    def setup(self) -> None:
+        self.params = pe.tree_cast(pe.tree_to(self.host_params, self.device), torch.float32)
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        return "probe oracle only (fp32 reference backend), not timed"
+
+    def info(self) -> dict[str, Any]:
+        return {"ops": "reference (fp32)"}
+
+
+class HFPaddedDeberta(HFPaddedSystem):
+    def __init__(self, *args: Any, extra: dict[str, Any] | None = None, needs_cuda: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.extra, self.needs_cuda = extra or {}, needs_cuda
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        if self.needs_cuda and self.device.type != "cuda":
+            return "its Triton kernels need a CUDA device"
+        return super().skip_reason(workload)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), **self.extra, **_resident_gb(self.device)}
+
+
+class AbsentSystem(System):
+    """A peer that could not be imported: every workload is skipped with `reason`."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        return self.reason
+
+    def prepare(self, batch: Batch) -> Any:
+        raise RuntimeError(self.reason)  # the probe reports it instead of a result
+
+
+class DisentangledFlashPacked(System):
+    """DisentangledFlash's packed encoder after HF embeddings (see the module docstring)."""
+
+    def __init__(self, name: str, df: Any, build: Callable[[torch.device], Any], device: torch.device) -> None:
+        self.name, self.df, self.build, self.device = name, df, build, device
+        # its Triton kernels need CUDA; on a CPU its optimized PyTorch backend runs the same wiring
+        self.backend = "triton" if device.type == "cuda" else "torch"
+        self.model: Any = None
+
+    def setup(self) -> None:
+        model = self.build(self.device)
+        with torch.no_grad():
+            self.df.optimize_deberta(model, backend=self.backend, inference=True,
+                                     sequence_lengths=DF_LENGTHS if self.backend == "triton" else None)
+        enc = model.encoder
+        if not isinstance(enc, self.df.DebertaV2OptimizedEncoder) or enc.backend != self.backend:
+            raise RuntimeError(
+                f"optimize_deberta kept {type(enc).__name__} (backend {getattr(enc, 'backend', None)!r}, wanted "
+                f"{self.backend!r}): Triton missing or head dim not in 32/64/128; not its optimized path"
+            )
+        self.model = model
+        self.absolute = model.embeddings.position_embeddings is not None
+
+    def prepare(self, batch: Batch) -> tuple[Tensor, Tensor, int, Any, Tensor | None]:
+        from packedenc.packing import positions_from_cu_seqlens
+
+        offsets = tuple(int(x) for x in batch.cu_seqlens.tolist())
+        lengths = tuple(b - a for a, b in zip(offsets, offsets[1:]))
+        info = self.df.PackedSequenceInfo(offsets, lengths, batch.max_seqlen)
+        ids, cu = batch.ids.to(self.device), batch.cu_seqlens.to(self.device).contiguous()
+        pos = positions_from_cu_seqlens(cu, ids.numel()) if self.absolute else None
+        return ids, cu, batch.max_seqlen, info, pos
+
+    def run(self, inputs: tuple[Tensor, Tensor, int, Any, Tensor | None]) -> Tensor:
+        ids, cu, max_seqlen, info, pos = inputs
+        emb_TD = self.model.embeddings(input_ids=ids[None], position_ids=None if pos is None else pos[None])[0]
+        out = self.model.encoder.forward_packed(emb_TD, cu, max_seqlen, output_hidden_states=False,
+                                                packed_info=info)
+        return out.last_hidden_state
+
+    def info(self) -> dict[str, Any]:
+        enc = None if self.model is None else self.model.encoder
+        tuning = getattr(getattr(enc, "tuning", None), "mode", None)
+        return {"df_backend": self.backend, "df_tuning": tuning, "version": peer_version("disentangled_flash"),
+                **_resident_gb(self.device)}
+
+    def close(self) -> None:
+        self.model = None
+
+
+def make_systems(host_params: Any, device: torch.device) -> list[System]:
+    """Every DeBERTa contender, in run order; the peers as found in this environment."""
+    dtype = host_params.embeddings.layer_norm.weight.dtype
+    pad_id = host_params.config.pad_token_id or 0
+    systems: list[System] = [
+        ReferenceProbe(REFERENCE, host_params, device, backend="reference"),
+        PackedencDeberta("packedenc", host_params, device),
+        # mnli / doc1k batches hold 16 sequences and <= 16 * 1024 tokens; "long" (8192) fits too
+        GraphedDeberta("packedenc+graphs", host_params, device, max_tokens=16384, max_seqs=16),
+        HFPaddedDeberta("hf-eager", hf_builder(host_params, dtype), device, pad_id=pad_id),
+    ]
+    fd, why = import_peer("flashdeberta")
+    if fd is None:
+        systems.append(AbsentSystem("flashdeberta", why))
+    else:
+        systems.append(HFPaddedDeberta("flashdeberta", hf_builder(host_params, dtype, flash=fd), device,
+                                       pad_id=pad_id, extra={"version": peer_version("flashdeberta")},
+                                       needs_cuda=True))
+    df, why = import_peer("disentangled_flash")
+    if df is None:
+        systems.append(AbsentSystem("disentangled-flash", why))
+    else:
+        systems.append(DisentangledFlashPacked("disentangled-flash", df, hf_builder(host_params, dtype), device))
+    for s in systems:
+        if isinstance(s, AbsentSystem):
+            print(f"note: {s.name} {s.reason}")
+    return systems
+
+
+# ---- the issue's targets ------------------------------------------------------------------------
+
+PACKEDENC = ("packedenc", "packedenc+graphs")
+DF, FD = "disentangled-flash", "flashdeberta"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    workload: str
+    metric: str  # "tokens_per_s", "latency_ms", "peak_allocated_gb" or "working_gb"
+    peer: str
+    op: str  # ">=" (packedenc / peer at least factor) or "<=" (at most)
+    factor: float | None  # None: shown for information, no verdict
+
+    @property
+    def label(self) -> str:
+        what = {"tokens_per_s": "tokens/s", "latency_ms": "latency", "peak_allocated_gb": "peak allocated",
+                "working_gb": "working mem (peak - resident)"}[self.metric]
+        if self.factor is None:
+            return f"{self.workload} {what} vs {self.peer} (info)"
+        return f"{self.workload} {what} {self.op} {self.factor:.1f}x {self.peer}"
+
+
+TARGETS = (  # issue 5, "Targets (H200, fp16, same run)"
+    Target("mnli", "tokens_per_s", DF, ">=", 2.5),
+    Target("doc1k", "tokens_per_s", DF, ">=", 1.5),
+    Target("long", "latency_ms", DF, "<=", 0.8),
+    Target("long", "latency_ms", FD, "<=", 1.0),
+    Target("long", "peak_allocated_gb", DF, "<=", 1.0),
+    Target("long", "working_gb", DF, "<=", None),
+    Target("long", "working_gb", FD, "<=", None),
+)
+
+
+def metric(rec: dict[str, Any] | None, name: str) -> float | None:
+    """A record's value of `name` (None when the record is missing, skipped or failed)."""
+    if rec is None or rec.get("status", "ok") != "ok" or rec.get("tokens_per_s") is None:
+        return None
+    if name == "latency_ms":
+        return rec.get("ms_per_batch")
+    if name == "working_gb":
+        peak, resident = rec.get("peak_allocated_gb"), rec.get("resident_gb")
+        return None if peak is None or resident is None else peak - resident
+    return rec.get(name)
+
+
+def evaluate(records: list[dict[str, Any]]) -> list[tuple[Target, str, float | None, str]]:
+    """(target, packedenc system, ratio packedenc / peer or None, verdict) for every pair."""
+    cell = {(r["system"], r["workload"]): r for r in records}
+    out = []
+    for t in TARGETS:
+        for s in PACKEDENC:
+            peer = cell.get((t.peer, t.workload))
+            ours, theirs = metric(cell.get((s, t.workload)), t.metric), metric(peer, t.metric)
+            if not theirs:  # absent, skipped, failed, or a value this device does not record
+                p = peer or {}
+                why = str(p.get("error") or (p.get("status") != "ok" and p.get("status"))
+                          or (f"no {t.metric} recorded" if p else "not run"))
+                out.append((t, s, None, f"n/a ({t.peer}: {why[:90]})"))
+                continue
+            if ours is None:
+                out.append((t, s, None, f"n/a ({s}: not run or failed)"))
+                continue
+            ratio = ours / theirs
+            if t.factor is None:
+                out.append((t, s, ratio, "info"))
+                continue
+            met = ratio >= t.factor if t.op == ">=" else ratio <= t.factor
+            out.append((t, s, ratio, "ok" if met else "missed"))
+    return out
+
+
+def target_report(records: list[dict[str, Any]]) -> str:
+    """The issue's targets (ratio = packedenc / peer, same run) and the `long` latency / memory table."""
+    rows = [["target"] + list(PACKEDENC)]
+    by: dict[Target, dict[str, str]] = {}
+    notes: dict[str, None] = {}  # why a ratio is missing, once each
+    for t, s, ratio, verdict in evaluate(records):
+        by.setdefault(t, {})[s] = f"{ratio:.2f}x {verdict}" if ratio is not None else "n/a"
+        if ratio is None:
+            notes[verdict[len("n/a ("):-1]] = None
+    for t, cells in by.items():
+        rows.append([t.label] + [cells.get(s, "") for s in PACKEDENC])
+    lines = ["issue-5 targets (ratio = packedenc / peer, same run; memory = GiB allocated incl. weights):"]
+    lines += _columns(rows) + [f"  n/a: {n}" for n in notes]
+    longs = [r for r in records if r["workload"] == "long" and r["system"] != REFERENCE]
+    if longs:
+        rows = [["system (long)", "latency ms", "peak alloc GiB", "resident GiB", "working GiB"]]
+        for r in longs:
+            vals = [metric(r, m) for m in ("latency_ms", "peak_allocated_gb")]
+            vals += [r.get("resident_gb") if metric(r, "tokens_per_s") else None, metric(r, "working_gb")]
+            rows.append([r["system"]] + ["-" if v is None else f"{v:.3f}" if i else f"{v:.1f}"
+                                         for i, v in enumerate(vals)])
+        lines += ["", *_columns(rows)]
+    return "\n".join(lines)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
