@@ -17,6 +17,7 @@ token-budget packs of <= 65,536 tokens (packed systems only).
 
 Systems: `packedenc` (backend auto), `torch-packed` (benchmarks/baseline_modernbert.py through
 autograd, torch's flash varlen backward), `hf-sdpa` / `hf-eager` (transformers, dynamic padding),
+`packedenc+checkpoint` (per-layer activation checkpointing; only when named in --systems),
 `disentangled-flash` (`optimize_deberta(model.deberta, inference=False)` on HF's padded batches)
 and `disentangled-flash-packed` (its `encoder.forward_packed`), recorded as absent when the
 package is not installed. Probe: before any step, each system's per-token losses on one batch are
@@ -86,7 +87,8 @@ def _deberta_params(tiny: bool) -> Callable[[], Any]:
 def _modernbert_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:
     pad = host.config.pad_token_id or 0
     return [ts.PackedencTrain("packedenc", host, device, dt), ts.TorchPackedTrain("torch-packed", host, device, dt),
-            ts.HFTrain("hf-sdpa", host, device, dt, attn="sdpa", pad_id=pad)]
+            ts.HFTrain("hf-sdpa", host, device, dt, attn="sdpa", pad_id=pad),
+            ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True)]
 
 
 def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:
@@ -94,7 +96,8 @@ def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) ->
     return [ts.PackedencTrain("packedenc", host, device, dt), ts.HFTrain("hf-eager", host, device, dt, attn="eager",
                                                                           pad_id=pad),
             ts.DisentangledFlashTrain("disentangled-flash", host, device, dt, pad_id=pad),
-            ts.DisentangledFlashPackedTrain("disentangled-flash-packed", host, device, dt, pad_id=pad)]
+            ts.DisentangledFlashPackedTrain("disentangled-flash-packed", host, device, dt, pad_id=pad),
+            ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True)]
 
 
 def benches(tiny: bool) -> dict[str, TrainBench]:
@@ -333,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     records: list[dict[str, Any]] = []
     probe_lines: list[str] = []
+    known: set[str] = set()
     for name, bench in run_benches.items():
         host = bench.make_params()
         vocab = host.config.vocab_size
@@ -341,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} workload {w.name}: {len(w.lengths)} sequences, {w.num_tokens:,} tokens, "
                   f"{len(w.batches)} batches")
         systems = bench.make_systems(host, device, compute)
-        if args.systems:
-            systems = [s for s in systems if s.name in args.systems]
+        known |= {s.name for s in systems}
+        systems = [s for s in systems if (s.name in args.systems if args.systems else not s.optional)]
         probe = _batch(bench, ws[0], 0, vocab)
         probes: dict[str, Any] = {}
         for s in systems:
@@ -362,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                 if r["model"] == bench.model and r["system"] == sname and p is not None:
                     r["probe_loss"], r["probe_rel_diff"] = p[0], p[1]
 
+    if set(args.systems or ()) - known:
+        print(f"note: unknown system(s) {sorted(set(args.systems) - known)} ignored; known: {sorted(known)}")
     print(f"\ntraining step on {env['device']} (commit {commit}, {time.perf_counter() - t0:.0f}s); "
           f"{meta['compute_dtype']} compute, fp32 master weights, AdamW")
     for r in records:

@@ -72,6 +72,7 @@ class TrainSystem:
 
     name = "system"
     absent: str | None = None
+    optional = False  # run only when named in --systems
     precision = "fp32 master weights, bf16 compute"
 
     def __init__(self, device: torch.device, compute_dtype: torch.dtype | None) -> None:
@@ -112,9 +113,10 @@ class PackedencTrain(TrainSystem):
     """`pe.encode` + `pe.losses.mlm_loss`'s head on the masked rows, one `tree_cast` per step."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", checkpoint: bool = False) -> None:
         super().__init__(device, compute_dtype)
-        self.name, self.host_params, self.backend = name, host_params, backend
+        self.name, self.host_params, self.backend, self.checkpoint = name, host_params, backend, checkpoint
+        self.optional = checkpoint  # the memory / speed trade-off, on request
         self.params: Any = None
 
     def setup(self) -> None:
@@ -132,13 +134,13 @@ class PackedencTrain(TrainSystem):
         # one differentiable cast shared by the encoder and the head (encode's compute_dtype would
         # cast the encoder's leaves only)
         p = self.params if self.compute is None else pe.tree_cast(self.params, self.compute)
-        h_TD = pe.encode(p, ids, cu, max_seqlen, backend=self.backend)
+        h_TD = pe.encode(p, ids, cu, max_seqlen, backend=self.backend, checkpoint=self.checkpoint)
         logits_MV = family_of(p).mlm_logits(p, h_TD.index_select(0, pos), backend=self.backend)
         return F.cross_entropy(logits_MV.float(), tgt, reduction="none")
 
     def info(self) -> dict[str, Any]:
         ops = pe.get_ops(self.backend, self.device)
-        return {"ops": ",".join(f"{op}={b}" for op, b in ops.chosen)}
+        return {"ops": ",".join(f"{op}={b}" for op, b in ops.chosen), "checkpoint": self.checkpoint}
 
     def close(self) -> None:
         self.params = None
