@@ -63,7 +63,10 @@ class PackedEncoder(torch.nn.Module):
 
     def __init__(self, hf_encoder, backend):
         super().__init__()
-        self.inner, self.backend, self.calls = hf_encoder, backend, 0
+        self.inner, self.backend, self.calls, self.clears = hf_encoder, backend, 0, []
+
+    def clear_inference_cache(self):
+        self.clears.append(self.calls)
 
     def forward_packed(self, hidden_states, cu_seqlens, max_seqlen=None, *, output_hidden_states=True,
                        return_dict=True, packed_info=None):
@@ -80,10 +83,10 @@ def fake_df(install=True):
     m = types.ModuleType("disentangled_flash")
     m.PackedSequenceInfo, m.DebertaV2OptimizedEncoder = PackedSequenceInfo, PackedEncoder
 
-    def optimize_deberta(model, *, backend="triton", inference=True, sequence_lengths=None):
-        assert inference and backend == "torch" and sequence_lengths is None  # CPU: its PyTorch backend
+    def optimize_deberta(model, *, backend="triton", inference=True):
+        assert inference and backend == "torch"  # CPU: its PyTorch backend
         if install:  # else: as when Triton is unavailable, the HF encoder stays
-            model.encoder = PackedEncoder(model.encoder, backend)
+            model.encoder = m.encoder = PackedEncoder(model.encoder, backend)
         return model
 
     m.optimize_deberta = optimize_deberta
@@ -100,6 +103,9 @@ def test_disentangled_flash_wiring_and_fallback_detection(tmp_path, monkeypatch)
     # HF embeddings on the packed ids + packed encoder + the host boundary info = the reference
     assert cell[("disentangled-flash", "mnli")]["probe_min_cos"] > 0.9999
     assert cell[("disentangled-flash", "mnli")]["df_backend"] == "torch"
+    # its caches are dropped once per workload, before that workload's first call
+    enc = sys.modules["disentangled_flash"].encoder
+    assert len(enc.clears) == 3 and enc.clears[0] == 1 and enc.clears[1] > enc.clears[0]
     # optimize_deberta keeping the HF encoder is a failure of that system, not of the run
     monkeypatch.setitem(sys.modules, "disentangled_flash", fake_df(install=False))
     assert encode.main(RUN + ["--systems", "disentangled-flash", "--workloads", "long", "--out-dir", str(tmp_path)]) == 0
