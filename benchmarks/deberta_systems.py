@@ -288,6 +288,10 @@ def make_systems(host_params: Any, device: torch.device) -> list[System]:
     for s in systems:
         if isinstance(s, AbsentSystem):
             print(f"note: {s.name} {s.reason}")
+    for module, pin in PEERS.items():
+        have = peer_version(module)
+        if have is not None and have != pin.split("==")[1]:
+            print(f"note: {module} {have} is installed; the issue compares against {pin}")
     return systems
 
 
