@@ -221,7 +221,7 @@ class GraphedEncode:
                            seq_buckets=self.seq_buckets, positions=positions)
 
     def clear(self) -> None:
-        """Drop every captured graph and its buffers."""
+        """Drop every captured graph and its buffers (later captures go to a fresh memory pool)."""
         self._entries.clear()
 
     # -- the call -----------------------------------------------------------------------------
@@ -310,6 +310,10 @@ class GraphedEncode:
                 self._run(bucket, entry)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if not self._entries:
+            # A pool whose graphs are all gone (clear(), or none yet) cannot be shared again: the
+            # caching allocator asserts on a pool with no live graph (torch 2.11, "use_count > 0").
+            self._pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self._run(bucket, entry)
