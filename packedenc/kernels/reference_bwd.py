@@ -16,7 +16,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 
-__all__ = ["layer_norm_bwd", "glu_bwd", "rotary_bwd", "varlen_attention_bwd"]
+__all__ = ["layer_norm_bwd", "activation_bwd", "glu_bwd", "rotary_bwd", "varlen_attention_bwd"]
 
 
 def layer_norm_bwd(
@@ -60,6 +60,11 @@ def _act_bwd(g: Tensor, a: Tensor, act: str) -> Tensor:
         return aten.sigmoid_backward(g, torch.sigmoid(a))
     assert act == "linear", act
     return g
+
+
+def activation_bwd(dy: Tensor, x: Tensor, act: str) -> Tensor:
+    """dx = dy * act'(x) of `reference.activation`, fp32 math, in x's dtype."""
+    return _act_bwd(dy.float(), x.float(), reference.check_activation(act)).to(x.dtype)
 
 
 def glu_bwd(dout_TF: Tensor, u_T2F: Tensor, act: str = "gelu") -> Tensor:
