@@ -88,6 +88,29 @@ def slot_table(position_buckets: int, max_relative_positions: int, R: int, max_s
     return table, half
 
 
+_BOUNDS: dict[tuple, tuple[int, int, int, int]] = {}
+NO_SATURATION = 1 << 29  # |d| bound that no packed pair reaches: the "no position terms" bounds
+
+
+def saturation(position_buckets: int, max_relative_positions: int, R: int, max_seqlen: int,
+               device: torch.device) -> tuple[int, int, int, int]:
+    """(d_lo, d_hi, slot_min, slot_max): every d <= d_lo has slot_min and every d >= d_hi slot_max.
+
+    Slots are non-decreasing in d, so beyond those distances the c2p / p2c terms of a tile are
+    one table row each, and the forward folds them into q and k (see `_fwd_kernel`).
+    """
+    table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, device)
+    key = (int(position_buckets), int(max_relative_positions), int(R), half)
+    out = _BOUNDS.get(key)
+    if out is None:
+        cpu = _build_slots(position_buckets, max_relative_positions, R, half)
+        lo, hi = int(cpu[0]), int(cpu[-1])
+        d_lo = int((cpu == lo).nonzero().max()) - half
+        d_hi = int((cpu == hi).nonzero().min()) - half
+        out = _BOUNDS[key] = (d_lo, d_hi, lo, hi)
+    return out
+
+
 @triton.jit
 def _slot(SLOT, d, half):
     """Slot of distance(s) d: the table lookup every kernel uses (d clamped to the table)."""
@@ -147,6 +170,53 @@ def _pos_scores(s, q, k, PK, PQ, SLOT, i0, j0, half, hh,
 
 
 @triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr):
+    """One online-softmax update with a (M, N) tile of log2-scaled scores (masked = -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _saturated_range(qf, pk_row, cst, K, V, start, L, j_lo, j_hi, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs_k, kmask,
+                     m_i, l_i, acc, qk_scale, NS: tl.constexpr, C2P: tl.constexpr, PREC: tl.constexpr):
+    """Key blocks [j_lo, j_hi) whose every pair shares one slot: s = (q + PQ) . (k + PK) - PQ . PK.
+
+    qf = q + PQ[slot] was formed once per program; k + PK[slot] is one add per key tile, so such a
+    tile costs what a plain flash tile costs (the two extra terms ride in the same tensor-core dot).
+    """
+    offs_n = tl.arange(0, NS)
+    for j0 in range(j_lo, j_hi, NS):
+        nmask = (j0 + offs_n) < L
+        cols = start + j0 + offs_n.to(tl.int64)
+        kv_mask = nmask[:, None] & kmask[None, :]
+        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        if C2P:
+            k = (k.to(tl.float32) + pk_row[None, :]).to(v.dtype)
+        s = tl.dot(qf, tl.trans(k), input_precision=PREC)
+        s = tl.where(nmask[None, :], (s - cst) * qk_scale, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fold(q, PKh, PQh, slot, s_pk_r, s_pq_r, offs_k, kmask, C2P: tl.constexpr, P2C: tl.constexpr):
+    """(q + PQ[slot] in q's dtype, PK[slot] fp32, PQ[slot] . PK[slot]) for a saturated key range."""
+    pk = tl.zeros_like(offs_k).to(tl.float32)
+    pq = tl.zeros_like(offs_k).to(tl.float32)
+    if C2P:
+        pk = tl.load(PKh + slot.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    if P2C:
+        pq = tl.load(PQh + slot.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        q = (q.to(tl.float32) + pq[None, :]).to(q.dtype)
+    return q, pk, tl.sum(pk * pq, 0)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V,  # (T, H, K) views, head dim contiguous (slices of the fused qkv output)
     PK, PQ,  # (R, H, K) position tables for c2p / p2c (any valid pointer when the term is off)
@@ -157,9 +227,11 @@ def _fwd_kernel(
     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,  # strides in elements
     s_pk_r, s_pk_h, s_pq_r, s_pq_h, s_o_t, s_o_h, s_lse_t,
     half,  # table half width
+    D_LO, D_HI, SLOT_MIN, SLOT_MAX,  # `saturation`: d <= D_LO has SLOT_MIN, d >= D_HI has SLOT_MAX
     qk_scale,  # scale * log2(e)
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,  # head dim, its power-of-two block (>= 16)
-    BLOCK: tl.constexpr,  # query rows = key rows per tile (>= 16 for tl.dot)
+    BLOCK: tl.constexpr,  # query rows = key rows of a banded tile (>= 16 for tl.dot)
+    NS: tl.constexpr,  # key rows of a saturated tile (a multiple of BLOCK)
     C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr,
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
 ):
@@ -184,7 +256,16 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_K], tl.float32)
-    for j0 in range(0, L, BLOCK):
+    # Keys in three ranges, in sequence order: [0, e1) far behind the block (every d >= D_HI),
+    # [e1, s3) the band (per-pair slots), [s3, L) far ahead (every d <= D_LO). Key 0 comes first,
+    # so m_i is finite after the first tile (a sequence has >= 1 token).
+    e1 = tl.minimum(tl.maximum(i0 - D_HI + 1, 0) // NS * NS, L)
+    gap = tl.maximum(i0 + BLOCK - 1 - D_LO - e1, 0)
+    s3 = tl.minimum(e1 + (gap + BLOCK - 1) // BLOCK * BLOCK, L)
+    qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MAX, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
+    m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, 0, e1, hh, s_k_t, s_k_h, s_v_t, s_v_h,
+                                     offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
+    for j0 in range(e1, s3, BLOCK):
         nmask = (j0 + offs) < L
         cols = start + j0 + offs.to(tl.int64)
         kv_mask = nmask[:, None] & kmask[None, :]
@@ -195,13 +276,10 @@ def _fwd_kernel(
             s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
                             C2P, P2C, BLOCK, PREC)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
-        # Column 0 of the first tile is a real key, so m_i is finite from the first tile on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
+    qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
+    m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, s3, L, hh, s_k_t, s_k_h, s_v_t, s_v_h,
+                                     offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * s_o_t + hh * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
              mask=mmask[:, None] & kmask[None, :])
@@ -217,8 +295,9 @@ def _fwd_kernel(
 # tl.gather shuffles), and with Triton 3.6 on an H200 they fail to compile (TritonGPUPipeline).
 # Module-level so a benchmark sweep can override them.
 BLOCK_MAX = 32
-NUM_WARPS = 8
+NUM_WARPS = 4  # H200, Triton 3.6: 4 warps run the 32-row tiles 2x faster than 8 (benchmarks/NOTES.md)
 NUM_STAGES = 2
+SATURATED_TILE = 2  # key rows of a saturated tile, in units of BLOCK
 
 
 def block_size(max_seqlen: int) -> int:
@@ -229,8 +308,9 @@ def block_size(max_seqlen: int) -> int:
     return max(16, min(BLOCK_MAX, triton.next_power_of_2(max(int(max_seqlen), 1))))
 
 
-def launch_config(block: int) -> dict:
-    return dict(num_warps=4 if block <= 16 else NUM_WARPS, num_stages=NUM_STAGES)
+def launch_config(block: int, head_dim: int = 64) -> dict:
+    """Forward launch options. Wide heads (K = 128) keep 8 warps: with 4 they spill (sm_90 ptxas)."""
+    return dict(num_warps=4 if block <= 16 else NUM_WARPS if head_dim <= 64 else 8, num_stages=NUM_STAGES)
 
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid dim 2 (sequences): longer packs launch in chunks
@@ -281,6 +361,10 @@ def deberta_attention_fwd(
     table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, q.device)
     pk = pos_key if pos_key is not None else q
     pq = pos_query if pos_query is not None else q
+    if pos is not None:
+        bounds = saturation(position_buckets, max_relative_positions, R, max_seqlen, q.device)
+    else:  # no position terms: every key block takes the plain (saturated) path
+        bounds = (NO_SATURATION, -NO_SATURATION, 0, 0)
     BLOCK = block_size(max_seqlen)
     BLOCK_K = max(16, triton.next_power_of_2(Kd))
     for cu, n_seq in seq_chunks(cu_seqlens):
@@ -288,10 +372,10 @@ def deberta_attention_fwd(
             q, k, v, pk, pq, table, cu, o, lse,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-            half, scale * LOG2E,
-            HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
+            half, *bounds, scale * LOG2E,
+            HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, NS=SATURATED_TILE * BLOCK,
             C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
-            **launch_config(BLOCK),
+            **launch_config(BLOCK, Kd),
         )
     return o, lse
 

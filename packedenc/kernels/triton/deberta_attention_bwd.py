@@ -33,7 +33,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton.deberta_attention import (
-    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, launch_config, seq_chunks, slot_table,
+    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, seq_chunks, slot_table,
 )
 
 __all__ = ["deberta_attention_bwd", "reference_bwd"]
@@ -296,7 +296,8 @@ def _bwd_dkdv_kernel(
 
 # ---- launcher ----------------------------------------------------------------------------------
 
-BLOCK_MAX_BWD = 32  # tile rows (sm_90 compile: 32-row tiles, 8 warps spill <= 176 bytes at K = 128)
+BLOCK_MAX_BWD = 32  # tile rows (sm_90 compile: 32-row tiles, 8 warps spill <= 184 bytes at K = 128)
+NUM_WARPS_BWD = 8  # 4 warps spill 200-1000 bytes in the dK/dV kernel (sm_90 ptxas)
 
 
 def deberta_attention_bwd(
@@ -328,7 +329,7 @@ def deberta_attention_bwd(
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
         meta = dict(HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, C2P=pos_key is not None, P2C=pos_query is not None,
-                    PREC=_prec(q.dtype), **launch_config(BLOCK))
+                    PREC=_prec(q.dtype), num_warps=4 if BLOCK <= 16 else NUM_WARPS_BWD, num_stages=2)
         dpk_ = dpk if dpk is not None else delta  # any fp32 pointer when the table is absent
         dpq_ = dpq if dpq is not None else delta
         for cu, n_seq in seq_chunks(cu_seqlens):

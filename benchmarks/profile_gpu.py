@@ -1,0 +1,160 @@
+"""Where the time goes (H200 triage): host enqueue vs device time of one DeBERTa eager batch, the
+disentangled-attention kernel alone on doc1k / long shapes, and the top CUDA kernels of one
+training step of each model. `python -m benchmarks.profile_gpu [--parts a b c]`."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import packedenc as pe
+from benchmarks import common
+
+
+def _events(fn, n=10):
+    ts = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def _top(prof, key, n=18):
+    print(prof.key_averages().table(sort_by=key, row_limit=n, max_name_column_width=60), flush=True)
+
+
+def deberta_host(dev):
+    from benchmarks.encode import MODELS
+
+    params = pe.tree_to(MODELS["deberta-v3-base"].make_params(torch.float16), dev)
+    cfg = params.config
+    for wname in ("mnli", "doc1k"):
+        w = common.make_workload(common.DEBERTA_WORKLOADS[wname], cfg.vocab_size)
+        b = w.batch(0)
+        ids, cu = b.ids.to(dev), b.cu_seqlens.to(dev)
+        run = lambda: pe.encode(params, ids, cu, b.max_seqlen)  # noqa: E731
+        with torch.inference_mode():
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            enq, tot = [], []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                run()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                enq.append(t1 - t0)
+                tot.append(time.perf_counter() - t0)
+            print(f"deberta {wname} batch0 T={ids.numel()} L={b.max_seqlen}: enqueue {statistics.median(enq)*1e3:.2f} ms,"
+                  f" total {statistics.median(tot)*1e3:.2f} ms", flush=True)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            _top(prof, "self_cpu_time_total", 14)
+            _top(prof, "self_cuda_time_total", 10)
+
+
+def deberta_kernel(dev):
+    from packedenc.kernels.triton import deberta_attention as da
+    from packedenc.kernels.triton import deberta_attention_bwd as db
+    from packedenc.kernels import get_ops
+    from benchmarks.encode import MODELS
+
+    cfg = MODELS["deberta-v3-base"].make_params(torch.float16).config
+    H, K, R = cfg.num_attention_heads, cfg.head_dim, 2 * cfg.att_span
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    doc = common.make_workload(common.DEBERTA_WORKLOADS["doc1k"], 100)
+    pack = common.make_workload(common.DEBERTA_WORKLOADS["doc1k"], 100, budget_tokens=65536)
+    cases = {"doc1k-b0": doc.batch(0).cu_seqlens, "doc1k-64k": pack.batch(0).cu_seqlens,
+             "long8192": torch.tensor([0, 8192], dtype=torch.int32)}
+    ops = get_ops("flash", dev)
+    for name, cu in cases.items():
+        cu = cu.to(dev)
+        T, L = int(cu[-1]), int((cu[1:] - cu[:-1]).max())
+        qkv = torch.randn(T, 3, H, K, device=dev, dtype=torch.float16, generator=g)
+        pk = torch.randn(R, H, K, device=dev, dtype=torch.float16, generator=g)
+        pq = torch.randn(R, H, K, device=dev, dtype=torch.float16, generator=g)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        flops = 4 * H * K * float(((cu[1:] - cu[:-1]).double() ** 2).sum())
+        args = (q, k, v, cu, L, pk, pq, cfg.position_buckets, cfg.max_relative, cfg.scale)
+        for nw, ns in ((4, 2), (4, 4), (8, 2)):
+            da.NUM_WARPS, da.SATURATED_TILE = nw, ns
+            f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
+            f()
+            ms = _events(f)
+            rows.append((name, f"fwd w{nw} ns{ns}", ms, flops / ms / 1e9))
+        da.NUM_WARPS, da.SATURATED_TILE = 4, 2
+        o, lse = da.deberta_attention_fwd(*args)
+        do = torch.randn_like(o)
+        for nw in (4, 8):
+            db.NUM_WARPS_BWD = nw
+            f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
+            f()
+            ms = _events(f)
+            rows.append((name, f"bwd w{nw}", ms, 2.5 * flops / ms / 1e9))
+        db.NUM_WARPS_BWD = 8
+        fa = lambda: ops.varlen_attention(q, k, v, cu, L, scale=cfg.scale)  # noqa: E731
+        try:
+            fa()
+            ms = _events(fa)
+            rows.append((name, "flash content-only fwd", ms, flops / ms / 1e9))
+        except Exception as e:  # noqa: BLE001
+            print("flash failed", e)
+    print(f"{'case':10s} {'variant':24s} {'ms':>8s} {'TFLOP/s (content)':>18s}")
+    for r in rows:
+        print(f"{r[0]:10s} {r[1]:24s} {r[2]:8.3f} {r[3]:18.1f}", flush=True)
+
+
+def train_profile(dev):
+    from benchmarks import train as tr
+
+    for model, sysname, wname in (("modernbert-base", "packedenc", "doc-64k"), ("modernbert-base", "torch-packed", "doc-64k"),
+                                  ("deberta-v3-base", "packedenc", "doc1k-64k")):
+        bench = tr.benches(False)[model]
+        host = bench.make_params()
+        vocab = host.config.vocab_size
+        systems = {s.name: s for s in bench.make_systems(host, dev, torch.bfloat16)}
+        system = systems[sysname]
+        system.setup()
+        w = [x for x in tr.workloads(bench, vocab, 65536) if x.name == wname][0]
+        x = system.prepare(tr._batch(bench, w, 0, vocab))
+        for _ in range(2):
+            system.step(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            system.step(x)
+            torch.cuda.synchronize()
+        print(f"== {model} {sysname} {wname}: tokens {x[0].numel() if isinstance(x, tuple) else '?'}, "
+              f"peak alloc {torch.cuda.max_memory_allocated()/2**30:.1f} GiB", flush=True)
+        _top(prof, "self_cuda_time_total", 22)
+        system.close()
+        del system, systems, x
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="*", default=["host", "kernel", "train"])
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    for p in a.parts:
+        try:
+            {"host": deberta_host, "kernel": deberta_kernel, "train": train_profile}[p](dev)
+        except Exception:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()
