@@ -20,7 +20,7 @@ from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
 from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.models.deberta.config import DebertaConfig
-from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer
+from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer, SelfAttention
 from packedenc.packing import pool_first
 from packedenc.pytree import tree_cast
 
@@ -81,6 +81,48 @@ def position_projections(p: Layer, rel_RD: Tensor | None, cfg: DebertaConfig, op
             w, b = a.pos_query_proj.weight, a.pos_query_proj.bias
         pq = ops.linear(rel_RD, w, b).view(R, H, K)
     return pk, pq
+
+
+def _projection_blocks(a: SelfAttention, terms: tuple[str, ...], HK: int,
+                       share_att_key: bool) -> list[tuple[Tensor, Tensor | None]]:
+    """One layer's position projections as (weight, bias) row blocks, rows in `terms` order."""
+    if share_att_key:  # the fused leaf's rows are query | key | value: p2c projects with query, c2p with key
+        lo, hi = (0 if "p2c" in terms else HK), (2 * HK if "c2p" in terms else HK)
+        return [(a.qkv.weight[lo:hi], None if a.qkv.bias is None else a.qkv.bias[lo:hi])]
+    return [(x.weight, x.bias) for x in (a.pos_query_proj if t == "p2c" else a.pos_key_proj for t in terms)]
+
+
+def position_tables(params: DebertaParams, rel_RD: Tensor | None, ops: Ops,
+                    seed: int | None = None) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Every layer's (pos_key_RHK, pos_query_RHK) tables (as `position_projections`), in one GEMM.
+
+    All the layers project the same rel_RD, so their projection blocks and biases are concatenated
+    and applied in one `ops.linear`: one GEMM launch instead of one per layer and term (24 for a
+    12-layer v3), which decides the host time of short batches. The tables are (R, H, K) views of
+    its output (rows strided, head dim contiguous). The concatenation is part of autograd, so
+    gradients reach each layer's own leaves; the weight copy it makes (2 * layers * H*K * D) is
+    small next to a forward. With training dropout on (a seed and hidden_dropout_prob > 0) HF draws
+    a pos_dropout mask per layer, so each layer projects its own dropped rel_RD instead.
+    """
+    cfg, layers = params.config, params.encoder.layer
+    terms = tuple(t for t in ("p2c", "c2p") if t in cfg.attention_pos_types)  # query rows first
+    if rel_RD is None or not terms or not layers:
+        return [(None, None)] * len(layers)
+    HK = cfg.num_attention_heads * cfg.head_dim
+    blocks = [wb for p in layers for wb in _projection_blocks(p.attention, terms, HK, cfg.share_att_key)]
+    mixed_bias = len({b is None for _, b in blocks}) > 1  # F.linear takes one bias or none
+    if (seed is not None and cfg.hidden_dropout_prob > 0) or mixed_bias:
+        return [position_projections(p, rel_RD, cfg, ops, seed, i) for i, p in enumerate(layers)]
+
+    def cat(ts: list[Tensor]) -> Tensor:
+        return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+    w = cat([w for w, _ in blocks])
+    b = None if blocks[0][1] is None else cat([b for _, b in blocks])
+    R, n, H, K = rel_RD.shape[0], len(terms), cfg.num_attention_heads, cfg.head_dim
+    tabs = ops.linear(rel_RD, w, b).view(R, len(layers) * n, H, K).unbind(1)  # (R, H, K) each
+    by_term = [dict(zip(terms, tabs[i * n : (i + 1) * n])) for i in range(len(layers))]
+    return [(t.get("c2p"), t.get("p2c")) for t in by_term]
 
 
 def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_RHK: Tensor | None,
@@ -190,7 +232,7 @@ def encode(
     rel_RD = rel_embeddings(params, ops)
     # Position tables depend on the weights only: computed once per forward, before the layers
     # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer).
-    tables = [position_projections(p, rel_RD, cfg, ops, seed, i) for i, p in enumerate(params.encoder.layer)]
+    tables = position_tables(params, rel_RD, ops, seed)
     x_TD = emb_TD
     for i, (p, (pk, pq)) in enumerate(zip(params.encoder.layer, tables)):
         args = (p, x_TD, cu_seqlens, max_seqlen, pk, pq, cfg, ops, i, seed)
