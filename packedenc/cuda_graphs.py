@@ -30,6 +30,7 @@ longest sequence, D hidden.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -199,7 +200,9 @@ class GraphedEncode:
         if self.token_buckets[-1] < cap:
             self.token_buckets += (cap,)
         self._entries: collections.OrderedDict[Bucket, _Entry] = collections.OrderedDict()
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool: Any = None  # the memory every graph (and its warm-up) allocates from
+        self._out: Tensor | None = None  # (max tokens, ...) one output buffer all graphs write
+        self._stream = torch.cuda.Stream(device) if capture else None
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -223,6 +226,8 @@ class GraphedEncode:
     def clear(self) -> None:
         """Drop every captured graph and its buffers (later captures go to a fresh memory pool)."""
         self._entries.clear()
+        self._out = None  # before the pool it lives in
+        self._pool = None
 
     # -- the call -----------------------------------------------------------------------------
 
@@ -301,28 +306,50 @@ class GraphedEncode:
         return out
 
     def _capture(self, bucket: Bucket, entry: _Entry) -> None:
-        # Eager warm-up on a side stream (as torch's docs do): lazy initialisation, cuBLAS
-        # workspaces and Triton autotuning for these shapes must not happen inside the capture.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        # Memory: the eager warm-up, the capture and the shared output buffer all allocate from
+        # one private pool on one stream, so a warm-up's freed intermediates are the capture's
+        # intermediates, and every graph writes the same (max tokens, ...) output buffer: the
+        # graphs together hold about one batch of activations, not one per bucket.
+        if self._pool is None:
+            self._pool = _new_pool()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Eager warm-up (as torch's docs do): lazy initialisation, cuBLAS workspaces, Triton
+        # compilation and table building for these shapes must not happen inside the capture.
+        with torch.cuda.stream(stream), _allocating_from(self._pool, self.device):
             for _ in range(max(1, self.warmup)):
-                self._run(bucket, entry)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if not self._entries:
-            # A pool whose graphs are all gone (clear(), or none yet) cannot be shared again: the
-            # caching allocator asserts on a pool with no live graph (torch 2.11, "use_count > 0").
-            self._pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
                 out = self._run(bucket, entry)
+            if self._out is None or self._out.shape[1:] != out.shape[1:] or self._out.dtype != out.dtype:
+                self._out = out.new_empty((self.token_buckets[-1], *out.shape[1:]))
+            del out
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=_pool_id(self._pool), stream=stream):
+                self._out[: bucket.tokens].copy_(self._run(bucket, entry))
         except RuntimeError as e:
             raise RuntimeError(
                 f"capturing the encode for {bucket} failed: {e}. Some op in the forward synchronises "
                 "with the host or is not capturable; use packedenc.encode without graphs and report it"
             ) from e
-        entry.graph, entry.out = graph, out
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        entry.graph, entry.out = graph, self._out[: bucket.tokens]
+
+
+def _new_pool() -> Any:
+    """A torch.cuda.MemPool (eager allocations can be routed to it), else a plain graph pool handle."""
+    if hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
+        return torch.cuda.MemPool()
+    return torch.cuda.graph_pool_handle()
+
+
+def _pool_id(pool: Any) -> Any:
+    return pool.id if hasattr(pool, "id") else pool
+
+
+def _allocating_from(pool: Any, device: torch.device) -> Any:
+    if hasattr(pool, "id"):
+        return torch.cuda.use_mem_pool(pool, device)
+    return contextlib.nullcontext()  # old torch: the warm-up uses the ordinary cache
 
 
 def _checked_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:

@@ -294,3 +294,33 @@ def test_gpu_bucket_reuse_eviction_and_inference_mode():
     with pytest.raises(pe.InputError, match="exceeds this graphed encode's budget"):
         big = ragged([4000, 200], vocab=GPU_CFG.vocab_size, device="cuda")
         g(big.ids, big.cu_seqlens, big.max_seqlen)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_hold_about_one_batch_of_memory():
+    """Ten buckets captured: warm-ups, captures and outputs share one pool and one output buffer,
+    so the graphs add about one batch of activations, not one per bucket."""
+    cfg = dataclasses.replace(GPU_CFG, hidden_size=512, intermediate_size=1024)  # activations dominate
+    params = pe.tree_to(pe.init(cfg, torch.Generator().manual_seed(0), dtype=torch.bfloat16), "cuda")
+    batches = [ragged([n] * 8, vocab=cfg.vocab_size, seed=n, device="cuda") for n in range(1100, 2100, 100)]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        pe.encode(params, batches[-1].ids, batches[-1].cu_seqlens, batches[-1].max_seqlen)
+    eager_peak = torch.cuda.max_memory_allocated() - base
+    torch.cuda.empty_cache()
+    g = graphed(params, max_tokens=16384, max_seqs=8)
+    before = torch.cuda.memory_reserved()
+    outs = [g(b.ids, b.cu_seqlens, b.max_seqlen) for b in batches]
+    assert g.num_graphs == len(batches)
+    del outs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the pool's blocks stay: they belong to live graphs
+    held = torch.cuda.memory_reserved() - before
+    # one output per graph (the old design) would add ~10 x 17 MB on top of one batch's ~150 MB
+    assert held <= 1.5 * eager_peak + (8 << 20), (held / 2**20, eager_peak / 2**20)
+    for b in batches[:3]:  # and the replays are still right
+        out = g(b.ids, b.cu_seqlens, b.max_seqlen)
+        assert _cosine_rows(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen)).min() >= 0.999
