@@ -7,6 +7,7 @@ encode on the same padded buffers (bitwise) and on the real batch (bf16 noise), 
 eviction and recapture.
 """
 
+import dataclasses
 import functools
 
 import pytest
