@@ -135,27 +135,7 @@ class PackedencDeberta(PackedencSystem):
 
 
 class GraphedDeberta(GraphedSystem):
-    """packedenc from CUDA graphs. Graphs of one workload are dropped when the next one starts, so
-    each workload's peak memory holds its own graphs only. Without CUDA: the same buckets, eager."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._workload: str | None = None
-
-    def setup(self) -> None:
-        from packedenc.cuda_graphs import graphed
-
-        self.params = pe.tree_to(self.host_params, self.device)
-        self.graphed = graphed(self.params, max_tokens=self.max_tokens, max_seqs=self.max_seqs,
-                               backend=self.backend, max_graphs=64, capture=self.device.type == "cuda")
-
-    def skip_reason(self, workload: Workload) -> str | None:
-        # The runner asks this first for every workload, before it resets the memory counters:
-        # the one place to free the previous workload's graphs (their buckets rarely recur).
-        if self.graphed is not None and workload.name != self._workload:
-            self.graphed.clear()
-            self._workload = workload.name
-        return super().skip_reason(workload)
+    """packedenc from CUDA graphs, a budget per workload (see `GraphedSystem`)."""
 
     def info(self) -> dict[str, Any]:
         mode = "captured" if self.device.type == "cuda" else "eager buckets (no CUDA)"

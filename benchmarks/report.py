@@ -39,7 +39,13 @@ def gpu_slug(name: str) -> str:
 
 
 def git_commit() -> str:
-    """Short commit of the repo, with '-dirty' when tracked files differ from it."""
+    """Short commit of the repo, with '-dirty' when tracked files differ from it.
+
+    GIT_COMMIT, when set, wins: a snapshot (`git archive`) run inside another checkout would
+    otherwise report the enclosing repository's commit.
+    """
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,

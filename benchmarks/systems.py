@@ -44,34 +44,50 @@ class PackedencSystem(System):
 
 
 class GraphedSystem(PackedencSystem):
-    """packedenc replayed from CUDA graphs; runs only workloads whose batches all fit the budget."""
+    """packedenc replayed from CUDA graphs, one graphed encode per workload.
+
+    Each workload gets its own `graphed` object whose budget is that workload's largest batch (what
+    a deployment sizes its budget to; the graphs' memory pool is sized by the budget), built when
+    the workload starts, so its peak memory holds its own graphs only. Workloads with a batch over
+    `max_tokens` / `max_seqs` are skipped. Without CUDA: the same buckets, run eagerly.
+    """
 
     def __init__(self, name: str, host_params: Any, device: torch.device, *, max_tokens: int = 16384,
                  max_seqs: int = 256, backend: str = "auto") -> None:
         super().__init__(name, host_params, device, backend)
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.graphed: Any = None
-
-    def setup(self) -> None:
-        from packedenc.cuda_graphs import graphed
-
-        super().setup()
-        self.graphed = graphed(self.params, max_tokens=self.max_tokens, max_seqs=self.max_seqs,
-                               backend=self.backend, max_graphs=64)
+        self._workload: str | None = None
 
     def skip_reason(self, workload: Workload) -> str | None:
-        worst = max(range(len(workload.batches)), key=workload.batch_tokens)
-        too_many = max(len(b) for b in workload.batches) > self.max_seqs
-        if workload.batch_tokens(worst) > self.max_tokens or too_many:
+        # The runner asks this first for every workload, before it resets the memory counters:
+        # the one place to drop the previous workload's graphs and size the next budget.
+        worst = max(workload.batch_tokens(i) for i in range(len(workload.batches)))
+        seqs = max(len(b) for b in workload.batches)
+        if worst > self.max_tokens or seqs > self.max_seqs:
             return f"batches exceed the graph budget (max_tokens={self.max_tokens}, max_seqs={self.max_seqs})"
+        if workload.name != self._workload:
+            self._build(worst, seqs)
+            self._workload = workload.name
         return None
+
+    def _build(self, max_tokens: int, max_seqs: int) -> None:
+        from packedenc.cuda_graphs import graphed
+
+        if self.graphed is not None:
+            self.graphed.clear()
+        self.graphed = graphed(self.params, max_tokens=max_tokens, max_seqs=max_seqs, backend=self.backend,
+                               max_graphs=64, capture=self.device.type == "cuda")
 
     def run(self, inputs: tuple[Tensor, Tensor, int]) -> Tensor:
         ids, cu, max_seqlen = inputs
+        if self.graphed is None:  # the parity probe runs before any workload: a budget of its batch
+            self._build(ids.numel(), cu.numel() - 1)
         return self.graphed(ids, cu, max_seqlen)
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "graph_budget": f"{self.max_tokens} tokens / {self.max_seqs} seqs"}
+        return {**super().info(), "graph_budget": f"each workload's largest batch (<= {self.max_tokens} tokens / "
+                f"{self.max_seqs} seqs)"}
 
     def close(self) -> None:
         if self.graphed is not None:

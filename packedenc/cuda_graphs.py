@@ -306,22 +306,27 @@ class GraphedEncode:
         return out
 
     def _capture(self, bucket: Bucket, entry: _Entry) -> None:
-        # Memory: the eager warm-up, the capture and the shared output buffer all allocate from
-        # one private pool on one stream, so a warm-up's freed intermediates are the capture's
-        # intermediates, and every graph writes the same (max tokens, ...) output buffer: the
-        # graphs together hold about one batch of activations, not one per bucket.
-        if self._pool is None:
-            self._pool = _new_pool()
+        # Memory: the eager warm-ups, the captures and the shared output buffer all allocate from
+        # one private pool on one stream. The first capture of a pool first runs one eager batch
+        # of the full budget in it, so the pool's segments are budget-sized from the start and
+        # every later bucket splits them: the graphs together hold about one budget-sized batch
+        # of activations. (Without that, buckets arriving in growing sizes would each add new,
+        # larger segments that graphs captured earlier keep pinned.)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        # Eager warm-up (as torch's docs do): lazy initialisation, cuBLAS workspaces, Triton
-        # compilation and table building for these shapes must not happen inside the capture.
-        with torch.cuda.stream(stream), _allocating_from(self._pool, self.device):
-            for _ in range(max(1, self.warmup)):
-                out = self._run(bucket, entry)
-            if self._out is None or self._out.shape[1:] != out.shape[1:] or self._out.dtype != out.dtype:
-                self._out = out.new_empty((self.token_buckets[-1], *out.shape[1:]))
-            del out
+        with torch.cuda.stream(stream):
+            if self._pool is None:
+                self._pool = _new_pool()
+                with _allocating_from(self._pool, self.device):
+                    self._run_budget_batch()
+            # Eager warm-up (as torch's docs do): lazy initialisation, cuBLAS workspaces, Triton
+            # compilation and table building for these shapes must not happen inside the capture.
+            with _allocating_from(self._pool, self.device):
+                for _ in range(max(1, self.warmup)):
+                    out = self._run(bucket, entry)
+                if self._out is None or self._out.shape[1:] != out.shape[1:] or self._out.dtype != out.dtype:
+                    self._out = out.new_empty((self.token_buckets[-1], *out.shape[1:]))
+                del out
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=_pool_id(self._pool), stream=stream):
@@ -333,6 +338,24 @@ class GraphedEncode:
             ) from e
         torch.cuda.current_stream(self.device).wait_stream(stream)
         entry.graph, entry.out = graph, self._out[: bucket.tokens]
+
+    def budget_bucket(self) -> Bucket:
+        """The bucket of the pool-sizing batch: the largest token bucket as dummy sequences of at
+        most 128 tokens (any model's position limit allows them; activation memory depends on
+        the token count, not on how the tokens are split)."""
+        T_b = self.token_buckets[-1]
+        n = max(self.seq_buckets[-1] + 1, -(-T_b // 128))  # dummy sequences
+        longest = -(-T_b // n)
+        return Bucket(T_b, n - 1, min(1 << (longest - 1).bit_length(), T_b))
+
+    def _run_budget_batch(self) -> None:
+        """One eager encode of `budget_bucket()`, all dummy tokens."""
+        bucket = self.budget_bucket()
+        entry = self._new_entry(bucket)
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        fill_padded(bucket, empty, torch.zeros(1, dtype=torch.int32, device=self.device), None, entry.ids, entry.cu,
+                    None, self.pad_id)
+        self._run(bucket, entry)
 
 
 def _new_pool() -> Any:

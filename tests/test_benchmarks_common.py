@@ -172,7 +172,9 @@ def test_encode_cli_end_to_end_on_cpu(tmp_path, capsys):
     cell = {(r["system"], r["workload"]): r for r in recs}
     assert cell[("packedenc", "query")]["status"] == "ok" and cell[("torch-packed", "query-64k")]["status"] == "ok"
     assert cell[("hf-sdpa", "query-64k")]["status"] == "skipped"
-    assert cell[("packedenc+graphs", "query")]["status"] == "failed"  # no CUDA here: reported, not raised
+    # no CUDA here: the graphed system runs the same bucketed buffers eagerly, with a budget per workload
+    assert cell[("packedenc+graphs", "query")]["status"] == "ok"
+    assert cell[("packedenc+graphs", "query")]["probe_min_cos"] > 0.9999
     # same weights everywhere: packedenc and HF agree with the plain baseline on the probe batch
     assert cell[("packedenc", "query")]["probe_min_cos"] > 0.9999
     assert cell[("hf-sdpa", "query")]["probe_min_cos"] > 0.9999
