@@ -299,6 +299,7 @@ def _bwd_dkdv_kernel(
 BLOCK_MAX_BWD = 32  # tile rows (sm_90 compile: 32-row tiles, 8 warps spill <= 184 bytes at K = 128)
 NUM_WARPS_BWD = 4  # H200: 4 warps 1.3-1.7x faster than 8 at K = 64 despite <= 200 bytes of dK/dV spills;
 # K = 128 keeps 8 (4 would spill ~1 KB per thread)
+NUM_STAGES_BWD = 2
 
 
 def deberta_attention_bwd(
@@ -331,7 +332,7 @@ def deberta_attention_bwd(
                   pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
         meta = dict(HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, C2P=pos_key is not None, P2C=pos_query is not None,
                     PREC=_prec(q.dtype), num_warps=NUM_WARPS_BWD if BLOCK > 16 and Kd <= 64 else 4 if BLOCK <= 16 else 8,
-                    num_stages=2)
+                    num_stages=NUM_STAGES_BWD)
         dpk_ = dpk if dpk is not None else delta  # any fp32 pointer when the table is absent
         dpq_ = dpq if dpq is not None else delta
         for cu, n_seq in seq_chunks(cu_seqlens):
