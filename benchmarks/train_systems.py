@@ -110,7 +110,7 @@ class TrainSystem:
 
 
 class PackedencTrain(TrainSystem):
-    """`pe.encode` + `pe.losses.mlm_loss`'s head on the masked rows, one `tree_cast` per step."""
+    """`pe.encode` + `pe.losses.mlm_token_losses` on the masked rows, one `tree_cast` per step."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
                  backend: str = "auto", checkpoint: bool = False) -> None:
@@ -128,15 +128,16 @@ class PackedencTrain(TrainSystem):
         return b.ids.to(d), b.cu_seqlens.to(d), b.max_seqlen, b.positions.to(d), b.targets.to(d)
 
     def token_losses(self, inputs: tuple[Any, ...]) -> Tensor:
-        from packedenc.models import family_of
+        from packedenc.losses import mlm_token_losses
 
         ids, cu, max_seqlen, pos, tgt = inputs
         # one differentiable cast shared by the encoder and the head (encode's compute_dtype would
         # cast the encoder's leaves only)
         p = self.params if self.compute is None else pe.tree_cast(self.params, self.compute)
         h_TD = pe.encode(p, ids, cu, max_seqlen, backend=self.backend, checkpoint=self.checkpoint)
-        logits_MV = family_of(p).mlm_logits(p, h_TD.index_select(0, pos), backend=self.backend)
-        return F.cross_entropy(logits_MV.float(), tgt, reduction="none")
+        # the library's MLM loss: head on the masked rows; ModernBERT's decoder + cross-entropy fused
+        # (ops.linear_cross_entropy: no (M, V) logits kept, in fp32 or at all)
+        return mlm_token_losses(p, h_TD, pos, tgt, backend=self.backend)
 
     def info(self) -> dict[str, Any]:
         ops = pe.get_ops(self.backend, self.device)

@@ -13,7 +13,8 @@ from torch import Tensor
 from packedenc.errors import InputError
 from packedenc.packing import segment_ids
 
-__all__ = ["mlm_loss", "info_nce", "maxsim_scores", "colbert_loss", "classification_loss", "mask_tokens"]
+__all__ = ["mlm_loss", "mlm_token_losses", "info_nce", "maxsim_scores", "colbert_loss", "classification_loss",
+           "mask_tokens"]
 
 
 def mask_tokens(
@@ -46,20 +47,41 @@ def mask_tokens(
     return masked, positions, targets
 
 
-def mlm_loss(params, hidden_TD: Tensor, positions_M: Tensor, targets_M: Tensor, *, backend="auto") -> Tensor:
-    """Cross-entropy of the MLM head, computed only on the M masked positions (never on all T).
+def mlm_token_losses(params, hidden_TD: Tensor, positions_M: Tensor, targets_M: Tensor, *,
+                     backend="auto") -> Tensor:
+    """(M,) fp32 cross-entropy of the MLM head at each masked position (never scored on all T).
 
-    Arguments:
-        params: a params tree with an MLM head (ModernBERT, DeBERTa, BERT checkpoints with one).
-        hidden_TD: (T, D) output of `encode`. positions_M: (M,) int, rows of hidden_TD to score.
-        targets_M: (M,) int, the original token ids there.
+    Families whose module has `mlm_head` (features, decoder weight, bias) go through
+    `ops.linear_cross_entropy`: with the Triton backend the (M, V) logits are never kept in fp32
+    (nor at all: their gradient overwrites them). Others take `mlm_logits` and F.cross_entropy.
+    Targets of -100 are ignored (loss 0), as in F.cross_entropy.
     """
+    from packedenc.kernels import get_ops
     from packedenc.models import family_of
 
     if positions_M.shape != targets_M.shape:
         raise InputError(f"positions {tuple(positions_M.shape)} and targets {tuple(targets_M.shape)} differ")
-    logits_MV = family_of(params).mlm_logits(params, hidden_TD.index_select(0, positions_M), backend=backend)
-    return F.cross_entropy(logits_MV.float(), targets_M)
+    family = family_of(params)
+    ops = get_ops(backend, hidden_TD.device)
+    h_MD = hidden_TD.index_select(0, positions_M)
+    if hasattr(family, "mlm_head"):
+        return ops.linear_cross_entropy(*family.mlm_head(params, h_MD, backend=ops), targets_M)
+    logits_MV = family.mlm_logits(params, h_MD, backend=ops)
+    return F.cross_entropy(logits_MV.float(), targets_M, reduction="none")
+
+
+def mlm_loss(params, hidden_TD: Tensor, positions_M: Tensor, targets_M: Tensor, *, backend="auto") -> Tensor:
+    """Mean cross-entropy of the MLM head, computed only on the M masked positions (never on all T).
+
+    Arguments:
+        params: a params tree with an MLM head (ModernBERT, DeBERTa, BERT checkpoints with one).
+        hidden_TD: (T, D) output of `encode`. positions_M: (M,) int, rows of hidden_TD to score.
+        targets_M: (M,) int, the original token ids there (-100: ignored, as in F.cross_entropy).
+    Return:
+        scalar fp32: the mean over the rows not ignored (`mlm_token_losses`).
+    """
+    losses_M = mlm_token_losses(params, hidden_TD, positions_M, targets_M, backend=backend)
+    return losses_M.sum() / (targets_M != -100).sum()
 
 
 def info_nce(q_QD: Tensor, p_PD: Tensor, *, temperature: float = 0.05, normalize: bool = True) -> Tensor:

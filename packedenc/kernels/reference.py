@@ -31,12 +31,26 @@ __all__ = [
     "relative_positions",
     "deberta_attention",
     "varlen_conv1d",
+    "linear_cross_entropy",
 ]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias with weight in HF's (out, in) layout. fp32 accumulate (cuBLAS / CPU)."""
     return F.linear(x, weight, bias)
+
+
+def linear_cross_entropy(x_MD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, targets_M: Tensor) -> Tensor:
+    """Per-row cross-entropy of the logits `linear(x, weight, bias)` (rounded to x's dtype), in fp32.
+
+    The MLM loss's decoder + loss as one op, so that a kernel may skip materialising the logits.
+    Arguments:
+        x_MD: (M, D) features of the scored rows. weight_VD: (V, D). bias_V: (V,) or None.
+        targets_M: (M,) int ids in [0, V), or -100 to ignore a row (loss 0, no gradient).
+    Return:
+        (M,) fp32, F.cross_entropy(logits.float(), targets, reduction="none").
+    """
+    return F.cross_entropy(linear(x_MD, weight_VD, bias_V).float(), targets_M, reduction="none")
 
 
 def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
@@ -111,14 +125,16 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None
 
 
 def rotary(
-    qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0
-) -> tuple[Tensor, Tensor]:
+    qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0, with_v: bool = False
+) -> tuple[Tensor, ...]:
     """Split-half (GPT-NeoX) RoPE on q and k, read straight from the fused Wqkv output.
 
     Arguments:
         qkv_T3HK: (T, 3, H, K), the Wqkv output viewed as [q | k | v], heads contiguous.
         positions_T: (T,) int, position of each token inside its own sequence.
         theta: RoPE base for this layer type. scaling: HF's `attention_scaling` (1.0 for default RoPE).
+        with_v: also return v_THK = qkv[:, 2] (kernels hand it over as its own tensor in training,
+            so the attention's saved q, k, v do not keep the whole qkv alive).
     Return:
         q_THK, k_THK: (T, H, K) contiguous, in qkv's dtype. As transformers 5.x: cos/sin computed
         in fp32 and rounded to the activation dtype, rotation in fp32, one final rounding.
@@ -136,6 +152,8 @@ def rotary(
         x1, x2 = x[..., : K // 2], x[..., K // 2 :]
         return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)
 
+    if with_v:
+        return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1]), qkv_T3HK[:, 2]
     return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1])
 
 

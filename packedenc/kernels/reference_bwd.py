@@ -76,18 +76,18 @@ def glu_bwd(dout_TF: Tensor, u_T2F: Tensor, act: str = "gelu") -> Tensor:
 
 
 def rotary_bwd(
-    dq_THK: Tensor, dk_THK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0
+    dq_THK: Tensor, dk_THK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0,
+    dv_THK: Tensor | None = None,
 ) -> Tensor:
-    """dqkv (T, 3, H, K) of `reference.rotary` (zero in the v slot).
+    """dqkv (T, 3, H, K) of `reference.rotary`: dv in the v slot (`with_v=True`), else zero.
 
     The rotation's transpose is the rotation by -angle, i.e. the same op at -positions:
     cos is even and sin odd, bit for bit, and rounding to the activation dtype is symmetric.
     """
-    T, H, K = dq_THK.shape
     zero = torch.zeros_like(dq_THK)
     g = torch.stack((dq_THK, dk_THK, zero), dim=1)
     dq, dk = reference.rotary(g, -positions_T, theta, scaling)
-    return torch.stack((dq, dk, zero), dim=1)
+    return torch.stack((dq, dk, zero if dv_THK is None else dv_THK.to(dq.dtype)), dim=1)
 
 
 def varlen_attention_bwd(

@@ -270,9 +270,11 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     else:
         h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
-    q_THK, k_THK = ops.rotary(qkv_T3HK, positions_T, theta)  # positions restart per sequence
+    # positions restart per sequence; v comes back as its own tensor when training (see
+    # kernels/triton/rotary.py), so the attention's saved q, k, v do not pin the whole qkv too
+    q_THK, k_THK, v_THK = ops.rotary(qkv_T3HK, positions_T, theta, with_v=True)
     attn_drop = attention_dropout(cfg.attention_dropout, "attention_dropout", ops, seed, i)
-    o_THK = ops.varlen_attention(q_THK, k_THK, qkv_T3HK[:, 2], cu_seqlens, max_seqlen, window=window, **attn_drop)
+    o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=window, **attn_drop)
     a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
     a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 
@@ -347,17 +349,28 @@ def _head(params: ModernBertParams, h_XD: Tensor, ops: Ops) -> Tensor:
     return ops.layer_norm(a_XD, n.weight, n.bias, cfg.norm_eps)
 
 
-def mlm_logits(params: ModernBertParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
-    """(T, D) hidden -> (T, V) MLM logits: head (dense, act, norm), then the (tied) decoder.
+def mlm_head(params: ModernBertParams, hidden_TD: Tensor, *,
+             backend: str | Ops = "auto") -> tuple[Tensor, Tensor, Tensor | None]:
+    """(T, D) hidden -> (features (T, D), decoder weight (V, D), decoder bias (V,) or None).
 
-    To score only some tokens (masked positions), index `hidden_TD` before calling.
+    The MLM logits are `linear(features, weight, bias)` (`mlm_logits`); `losses.mlm_loss` hands
+    these three to `ops.linear_cross_entropy`, which never keeps the (T, V) logits.
     """
     if params.decoder is None:
         raise ConfigError("these params have no MLM decoder: load a ModernBertForMaskedLM checkpoint")
     ops = get_ops(backend, hidden_TD.device)
     w = params.decoder.weight
     w = params.embeddings.tok_embeddings.weight if w is None else w  # tied
-    return ops.linear(_head(params, hidden_TD, ops), w, params.decoder.bias)
+    return _head(params, hidden_TD, ops), w, params.decoder.bias
+
+
+def mlm_logits(params: ModernBertParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (T, V) MLM logits: head (dense, act, norm), then the (tied) decoder.
+
+    To score only some tokens (masked positions), index `hidden_TD` before calling.
+    """
+    ops = get_ops(backend, hidden_TD.device)
+    return ops.linear(*mlm_head(params, hidden_TD, backend=ops))
 
 
 def classify(params: ModernBertParams, hidden_TD: Tensor, cu_seqlens: Tensor, *,

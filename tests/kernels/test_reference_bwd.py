@@ -54,3 +54,10 @@ def test_varlen_attention_bwd_equals_autograd(window):
     want = _vjp(lambda q, k, v: reference.varlen_attention(q, k, v, cu, max(lengths), window), (q, k, v), do)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_bwd_with_v_equals_autograd():
+    qkv, pos = torch.randn(6, 3, 2, 8), torch.tensor([0, 1, 2, 0, 1, 300])
+    dq, dk, dv = torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    (a,) = _vjp(lambda x: reference.rotary(x, pos, 10000.0, with_v=True), (qkv,), (dq, dk, dv))
+    torch.testing.assert_close(reference_bwd.rotary_bwd(dq, dk, pos, 10000.0, dv_THK=dv), a, rtol=1e-5, atol=1e-6)

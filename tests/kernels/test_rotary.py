@@ -112,3 +112,43 @@ def test_gpu_rotary(dtype, theta):
     (d32,) = cpu(lambda *a: (reference_bwd.rotary_bwd(*a),), dq.float(), dk.float(), pos, theta)
     (dl,) = cpu(lambda *a: (reference_bwd.rotary_bwd(*a),), dq, dk, pos, theta)
     assert_close_to_ref(leaf.grad, d32, dl, atol=atol, what="dqkv")
+
+
+# ---- with_v: (q, k, v) for training ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_with_v_copies_v_and_writes_every_gradient_slot(dtype):
+    qkv, pos = _qkv(T_CPU, 2, 16, dtype), positions(CPU_LENGTHS)
+    q, k, v = RO.rotary_fwd(qkv, pos, 10000.0, with_v=True)
+    q0, k0 = RO.rotary_fwd(qkv, pos, 10000.0)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    assert v.is_contiguous() and torch.equal(v, qkv[:, 2])
+    dq, dk, dv = (torch.randn(T_CPU, 2, 16).to(DEVICE, dtype) for _ in range(3))
+    got = RO.rotary_bwd(dq, dk, pos, 10000.0, dv_THK=dv)
+    assert torch.equal(got[:, 2], dv)  # every slot written (the buffer is uninitialised)
+    assert torch.equal(got[:, :2], RO.rotary_bwd(dq, dk, pos, 10000.0)[:, :2])
+    ref32 = reference_bwd.rotary_bwd(dq.float(), dk.float(), pos, 10000.0, dv_THK=dv.float())
+    assert_close_to_ref(got, ref32, reference_bwd.rotary_bwd(dq, dk, pos, 10000.0, dv_THK=dv), atol=1e-6,
+                        what="dqkv")
+
+
+def test_rotary_qkv_op_opcheck_autograd_and_compile():
+    qkv, pos = torch.randn(6, 3, 2, 8), torch.tensor([0, 1, 2, 0, 1, 0])
+    torch.library.opcheck(torch.ops.packedenc.rotary_qkv.default, (qkv.requires_grad_(), pos, 10000.0, 1.0))
+    leaf, leaf_ref = (qkv.detach().clone().requires_grad_() for _ in range(2))
+    cot = [torch.randn(6, 2, 8) for _ in range(3)]
+    out = RO.rotary(leaf, pos, 10000.0, with_v=True)
+    assert len(out) == 3 and out[2].data_ptr() != leaf.data_ptr()  # its own v (a gradient is needed)
+    torch.autograd.backward(out, cot)
+    torch.autograd.backward(reference.rotary(leaf_ref, pos, 10000.0, with_v=True), cot)
+    torch.testing.assert_close(leaf.grad, leaf_ref.grad)
+    assert torch.equal(leaf.grad[:, 2], cot[2])
+    f = lambda x: RO.rotary(x, pos, 10000.0, with_v=True)  # noqa: E731
+    x = qkv.detach().clone().requires_grad_()
+    for a, b in zip(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x)):
+        torch.testing.assert_close(a, b)
+    # no gradient needed: v is the view, nothing copied
+    with torch.no_grad():
+        q, k, v = RO.rotary(qkv, pos, 10000.0, with_v=True)
+    assert v.data_ptr() == qkv[:, 2].data_ptr()

@@ -1,15 +1,18 @@
 """Fused Triton kernels, registered as the "triton" backend of the op table.
 
 One file per fused op: `layer_norm.py` (layer_norm, add_layer_norm, embed_layer_norm),
-`rotary.py`, `glu.py`, `activation.py`, `deberta_attention.py` (its backward in
-`deberta_attention_bwd.py`), `attention.py` (packed varlen attention, forward only: FA2 where
-gradients are needed). Each op is a `torch.library` custom op `packedenc::<op>` (CPU: the
-reference; CUDA: the Triton kernel; fake and autograd registered), and the functions registered
-here have the reference signatures, so the table calls either interchangeably.
+`rotary.py`, `glu.py`, `activation.py`, `cross_entropy.py` (linear_cross_entropy),
+`deberta_attention.py` (its backward in `deberta_attention_bwd.py`), `attention.py` (packed
+varlen attention, forward only: FA2 where gradients are needed). Each op is a `torch.library`
+custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
+registered), and the functions registered here have the reference signatures, so the table calls
+either interchangeably.
 """
 
 from packedenc.kernels import register_impl
-from packedenc.kernels.triton import activation, attention, deberta_attention, glu, layer_norm, rotary
+from packedenc.kernels.triton import (
+    activation, attention, cross_entropy, deberta_attention, glu, layer_norm, rotary,
+)
 
 for _name, _fn in (
     ("layer_norm", layer_norm.layer_norm),
@@ -20,5 +23,6 @@ for _name, _fn in (
     ("activation", activation.activation),
     ("deberta_attention", deberta_attention.deberta_attention),
     ("varlen_attention", attention.varlen_attention),  # forward kernel where it wins, else FA2
+    ("linear_cross_entropy", cross_entropy.linear_cross_entropy),  # GEMM + in-place loss/grad kernel
 ):
     register_impl("triton", _name, _fn)

@@ -14,6 +14,12 @@ bit for bit, which matters at long positions (one ulp of inv_freq at position 8k
 
 The backward is the same kernel with -sin (the rotation's transpose), written into a (T, 3, H, K)
 gradient whose v slot is zero.
+
+`with_v=True` (training) also returns v as its own contiguous tensor, copied by the same kernel:
+the attention then saves q, k, v (3 x T x D) and nothing keeps the whole Wqkv output alive as well
+(5 x T x D before), and the backward takes dv too and writes all three slots of dqkv in one pass:
+no zero-filled (T, 3, H, K) for v's select backward, no copy of dv into it and no add of that
+buffer to the rotary gradient (three full (T, 3, D) passes per layer).
 """
 
 from __future__ import annotations
@@ -32,15 +38,16 @@ __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]
 
 @triton.jit
 def _rotary_kernel(
-    XQ, XK,  # inputs: (T, H, K) views (q and k slots of qkv, or the incoming gradients)
-    OQ, OK,  # outputs: (T, H, K) views
+    XQ, XK, XV,  # inputs: (T, H, K) views (q, k, v slots of qkv, or the incoming gradients)
+    OQ, OK, OV,  # outputs: (T, H, K) views
     POS,  # (T,) int positions
     INV_FREQ,  # (J,) fp32
     T, H,
-    s_xq_t, s_xq_h, s_xk_t, s_xk_h,  # input strides (elements); head dim contiguous
-    s_oq_t, s_oq_h, s_ok_t, s_ok_h,  # output strides
+    s_xq_t, s_xq_h, s_xk_t, s_xk_h, s_xv_t, s_xv_h,  # input strides (elements); head dim contiguous
+    s_oq_t, s_oq_h, s_ok_t, s_ok_h, s_ov_t, s_ov_h,  # output strides
     scaling,
     SIGN: tl.constexpr,  # +1 forward, -1 backward (transpose of the rotation)
+    V_MODE: tl.constexpr,  # 0: v untouched, 1: copy XV to OV, 2: write zeros to OV
     J: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -73,6 +80,18 @@ def _rotary_kernel(
     tl.store(ok, (k1 * c - k2 * s).to(dt), mask=mask)
     tl.store(ok + J, (k2 * c + k1 * s).to(dt), mask=mask)
 
+    if V_MODE != 0:  # v is not rotated: copied (or, for a gradient whose v part is absent, zeroed)
+        ov = OV + t[:, None, None] * s_ov_t + hj * s_ov_h + j[None, None, :]
+        if V_MODE == 1:
+            xv = XV + t[:, None, None] * s_xv_t + hj * s_xv_h + j[None, None, :]
+            v1 = tl.load(xv, mask=mask, other=0.0)
+            v2 = tl.load(xv + J, mask=mask, other=0.0)
+        else:
+            v1 = tl.zeros([BLOCK_T, BLOCK_H, BLOCK_J], dtype=tl.float32)
+            v2 = v1
+        tl.store(ov, v1.to(dt), mask=mask)
+        tl.store(ov + J, v2.to(dt), mask=mask)
+
 
 TILE_ELEMS = 2048  # frequencies x heads x tokens per program (benchmarks/bench_ops.py --sweep)
 _INV_FREQ: dict[tuple[int, float, torch.device], Tensor] = {}
@@ -91,7 +110,8 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
 
 
 def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, theta: float,
-            scaling: float, sign: int) -> None:
+            scaling: float, sign: int, xv: Tensor | None = None, ov: Tensor | None = None) -> None:
+    """Rotate xq, xk into oq, ok; with `ov`, also copy xv into it (zeros when xv is None)."""
     T, H, K = xq.shape
     if T == 0:
         return
@@ -101,13 +121,15 @@ def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, t
     BLOCK_T = max(1, min(64, TILE_ELEMS // (BLOCK_H * BLOCK_J)))
     num_warps = 4 if BLOCK_T * BLOCK_H * BLOCK_J >= 2048 else 2
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    v_mode = 0 if ov is None else 1 if xv is not None else 2
+    xv_, ov_ = (xq if xv is None else xv), (oq if ov is None else ov)  # unused pointers when mode 0
     _rotary_kernel[grid](
-        xq, xk, oq, ok, positions.contiguous(), _inv_freq(K, theta, xq.device),
+        xq, xk, xv_, oq, ok, ov_, positions.contiguous(), _inv_freq(K, theta, xq.device),
         T, H,
-        xq.stride(0), xq.stride(1), xk.stride(0), xk.stride(1),
-        oq.stride(0), oq.stride(1), ok.stride(0), ok.stride(1),
+        xq.stride(0), xq.stride(1), xk.stride(0), xk.stride(1), xv_.stride(0), xv_.stride(1),
+        oq.stride(0), oq.stride(1), ok.stride(0), ok.stride(1), ov_.stride(0), ov_.stride(1),
         scaling,
-        SIGN=sign, J=J, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, num_warps=num_warps,
+        SIGN=sign, V_MODE=v_mode, J=J, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, num_warps=num_warps,
     )
 
 
@@ -115,26 +137,37 @@ def _last_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def rotary_fwd(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Launch the forward: contiguous (T, H, K) q and k from the (T, 3, H, K) Wqkv output."""
+def rotary_fwd(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0,
+               with_v: bool = False) -> tuple[Tensor, ...]:
+    """Launch the forward: contiguous (T, H, K) q and k (and a copy of v) from the (T, 3, H, K) Wqkv output."""
     check_float("rotary", qkv_T3HK)
     T, three, H, K = qkv_T3HK.shape
     assert three == 3 and K % 2 == 0, "rotary: qkv must be (T, 3, H, K) with an even head dim"
     qkv = _last_contiguous(qkv_T3HK)
     q = torch.empty((T, H, K), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty_like(q)
-    _launch(qkv[:, 0], qkv[:, 1], q, k, positions_T, theta, scaling, 1)
-    return q, k
+    if not with_v:
+        _launch(qkv[:, 0], qkv[:, 1], q, k, positions_T, theta, scaling, 1)
+        return q, k
+    v = torch.empty_like(q)
+    _launch(qkv[:, 0], qkv[:, 1], q, k, positions_T, theta, scaling, 1, xv=qkv[:, 2], ov=v)
+    return q, k, v
 
 
-def rotary_bwd(dq_THK: Tensor, dk_THK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0) -> Tensor:
-    """Launch the backward: (T, 3, H, K) gradient of qkv, zero in the v slot."""
+def rotary_bwd(dq_THK: Tensor, dk_THK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0,
+               dv_THK: Tensor | None = None) -> Tensor:
+    """Launch the backward: (T, 3, H, K) gradient of qkv; its v slot is dv (zeros when None).
+
+    Every slot is written by the kernel, so the buffer is allocated uninitialised."""
     dq, dk = _last_contiguous(dq_THK), _last_contiguous(dk_THK)
+    dv = None if dv_THK is None else _last_contiguous(dv_THK)
     T, H, K = dq.shape
     dqkv = torch.empty((T, 3, H, K), dtype=dq.dtype, device=dq.device)
-    dqkv[:, 2].zero_()
-    _launch(dq, dk, dqkv[:, 0], dqkv[:, 1], positions_T, theta, scaling, -1)
+    _launch(dq, dk, dqkv[:, 0], dqkv[:, 1], positions_T, theta, scaling, -1, xv=dv, ov=dqkv[:, 2])
     return dqkv
+
+
+# ---- registered ops: (q, k) for inference, (q, k, v) for training ------------------------------
 
 
 @torch.library.custom_op("packedenc::rotary", mutates_args=(), device_types="cpu")
@@ -184,11 +217,59 @@ def _backward(ctx, dq, dk):
 _rotary.register_autograd(_backward, setup_context=_setup)
 
 
-def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("packedenc::rotary_qkv", mutates_args=(), device_types="cpu")
+def _rotary_qkv(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = reference.rotary(qkv, positions, theta, scaling, with_v=True)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+@_rotary_qkv.register_kernel("cuda")
+def _(qkv, positions, theta, scaling=1.0):
+    return rotary_fwd(qkv, positions, theta, scaling, with_v=True)
+
+
+@_rotary_qkv.register_fake
+def _(qkv, positions, theta, scaling=1.0):
+    T, _, H, K = qkv.shape
+    return qkv.new_empty((T, H, K)), qkv.new_empty((T, H, K)), qkv.new_empty((T, H, K))
+
+
+@torch.library.custom_op("packedenc::rotary_qkv_bwd", mutates_args=(), device_types="cpu")
+def _rotary_qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, positions: Tensor, theta: float, scaling: float) -> Tensor:
+    return reference_bwd.rotary_bwd(dq, dk, positions, theta, scaling, dv)
+
+
+@_rotary_qkv_bwd.register_kernel("cuda")
+def _(dq, dk, dv, positions, theta, scaling):
+    return rotary_bwd(dq, dk, positions, theta, scaling, dv)
+
+
+@_rotary_qkv_bwd.register_fake
+def _(dq, dk, dv, positions, theta, scaling):
+    T, H, K = dq.shape
+    return dq.new_empty((T, 3, H, K))
+
+
+def _qkv_backward(ctx, dq, dk, dv):
+    (positions,) = ctx.saved_tensors
+    dqkv = torch.ops.packedenc.rotary_qkv_bwd(dq, dk, dv, positions, ctx.theta, ctx.scaling)
+    return dqkv, None, None, None
+
+
+_rotary_qkv.register_autograd(_qkv_backward, setup_context=_setup)
+
+
+def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0,
+           with_v: bool = False) -> tuple[Tensor, ...]:
     """RoPE on q and k of the fused (T, 3, H, K) Wqkv output; see `reference.rotary`.
 
-    Return: q_THK, k_THK contiguous in qkv's dtype (v is left to the caller: qkv[:, 2]).
+    Return: q_THK, k_THK contiguous in qkv's dtype; with `with_v`, also v_THK: its own contiguous
+    copy when a gradient is needed (see the module docstring), else the view qkv[:, 2].
     """
-    if direct_launch(qkv_T3HK):
-        return rotary_fwd(qkv_T3HK, positions_T, theta, scaling)
-    return torch.ops.packedenc.rotary(qkv_T3HK, positions_T, theta, scaling)
+    if not with_v or not (torch.is_grad_enabled() and qkv_T3HK.requires_grad):
+        if direct_launch(qkv_T3HK):
+            q, k = rotary_fwd(qkv_T3HK, positions_T, theta, scaling)
+        else:
+            q, k = torch.ops.packedenc.rotary(qkv_T3HK, positions_T, theta, scaling)
+        return (q, k, qkv_T3HK[:, 2]) if with_v else (q, k)
+    return torch.ops.packedenc.rotary_qkv(qkv_T3HK, positions_T, theta, scaling)

@@ -1,0 +1,179 @@
+"""Linear + cross-entropy fused for training (MLM decoder): the loss saves d loss / d logits, not logits.
+
+Shapes: M scored rows (masked tokens), D hidden, V vocab.
+
+The unfused head, `F.cross_entropy(F.linear(x, W, b).float(), t)`, keeps the (M, V) logits in the
+activation dtype, their fp32 copy and fp32 log-softmax, and its backward allocates two more
+(M, V) fp32 tensors: about 36 bytes and 8 passes per logit (ModernBERT-base, 64k tokens, 30%
+masked: M ~ 19k, V = 50368, ~12 GB transient and ~8 ms on an H200). Here:
+
+- forward: the logits `x @ W^T + b` come from one GEMM in x's dtype (the same call and rounding as
+  `F.linear`), then `_ce_kernel` takes one row per program: pass 1 reads the row for an online
+  max / sum of exp in fp32 (the loss is lse - x[target]); pass 2 reads it again and overwrites it
+  with softmax - onehot, rounded once to x's dtype. That buffer, G, is the only (M, V) tensor and
+  is what autograd saves.
+- backward: with g = d total / d loss_i (per row), dlogits = g_i * G_i, so the row scale is applied
+  on the small side of each GEMM: dx = g * (G @ W), dW = G^T @ (g * x), db = G^T @ g (g split
+  into two terms of x's dtype, so its rounding does not bias db). No pass over (M, V) but the
+  GEMMs' own reads.
+
+Targets outside [0, V) (F.cross_entropy's ignore_index -100) give loss 0 and no gradient, as
+`reduction="none"` does. The CPU implementation of the op is the same math in plain torch, over
+chunks of rows so that no (M, V) fp32 tensor exists at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from packedenc.kernels.triton._common import check_float
+
+__all__ = ["linear_cross_entropy", "ce_grad_", "CPU_CHUNK_ELEMS"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+CPU_CHUNK_ELEMS = 1 << 24  # logits per chunk of the CPU implementation (64 MB in fp32)
+
+
+@triton.jit
+def _ce_kernel(
+    LOGITS,  # (M, V) in: logits; out: softmax - onehot (in place), activation dtype
+    TARGETS,  # (M,) int target ids; outside [0, V): ignored (loss 0, gradient 0)
+    LOSS,  # (M,) fp32 out: lse - logits[target]
+    V,  # row width (vocab)
+    stride_m,  # row stride of LOGITS (elements); columns contiguous
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_m
+    tgt = tl.load(TARGETS + row).to(tl.int64)
+    valid = (tgt >= 0) & (tgt < V)
+    cols = tl.arange(0, BLOCK_V)
+    # pass 1: running max m and sum d of exp(x - m), in base-2 units (one FMA feeds exp2)
+    m = float("-inf")
+    d = 0.0
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        x = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, tl.max(x, 0))
+        d = d * tl.exp2(m - m_new) + tl.sum(tl.exp2(x - m_new), 0)
+        m = m_new
+    lse2 = m + tl.log2(d)  # log2 of the row's sum of exp
+    # read the target logit before pass 2 overwrites the row
+    x_t = tl.load(base + tl.where(valid, tgt, 0)).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse2 * LN2 - x_t, 0.0))
+    # pass 2: gradient of this row's loss, in place
+    keep = tl.where(valid, 1.0, 0.0)
+    for v0 in range(0, V, BLOCK_V):
+        c = v0 + cols
+        cmask = c < V
+        x = tl.load(base + c, mask=cmask, other=0.0).to(tl.float32)
+        p = tl.exp2(x * LOG2E - lse2)
+        g = (p - tl.where(c == tgt, 1.0, 0.0)) * keep
+        tl.store(base + c, g.to(LOGITS.dtype.element_ty), mask=cmask)
+
+
+def ce_grad_(logits_MV: Tensor, targets_M: Tensor, block_v: int | None = None) -> Tensor:
+    """Launch the kernel: return the (M,) fp32 losses; `logits_MV` is overwritten with
+    softmax - onehot (zeros on ignored rows). CUDA, or CPU tensors under TRITON_INTERPRET=1."""
+    check_float("linear_cross_entropy", logits_MV)
+    assert logits_MV.dim() == 2 and logits_MV.stride(1) == 1, "logits must be (M, V), columns contiguous"
+    M, V = logits_MV.shape
+    loss = torch.empty(M, dtype=torch.float32, device=logits_MV.device)
+    if M:
+        BLOCK_V = block_v or min(4096, triton.next_power_of_2(V))
+        num_warps = 8 if BLOCK_V >= 4096 else 4 if BLOCK_V >= 1024 else 1
+        _ce_kernel[(M,)](logits_MV, targets_M.contiguous(), loss, V, logits_MV.stride(0),
+                         BLOCK_V=BLOCK_V, num_warps=num_warps)
+    return loss
+
+
+def _logits(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x, weight, bias)  # = addmm(bias, x, W^T): the unfused head's call and rounding
+
+
+def _ce_grad_torch(logits_MV: Tensor, targets_M: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain-torch `ce_grad_` on one chunk: (losses fp32, softmax - onehot in logits' dtype)."""
+    V = logits_MV.shape[1]
+    lf = logits_MV.float()
+    valid = (targets_M >= 0) & (targets_M < V)
+    t = torch.where(valid, targets_M, 0)[:, None]
+    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
+    loss = torch.where(valid, (lse - lf.gather(1, t))[:, 0], 0.0)
+    p = lf.sub_(lse).exp_()
+    p.scatter_add_(1, t, torch.full_like(lse, -1.0))
+    return loss, p.mul_(valid[:, None]).to(logits_MV.dtype)
+
+
+# ---- the registered op: (losses, G) forward, GEMM-only backward ----------------------------------
+
+
+@torch.library.custom_op("packedenc::linear_cross_entropy", mutates_args=(), device_types="cpu")
+def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
+    M, V = x.shape[0], weight.shape[0]
+    loss = torch.empty(M, dtype=torch.float32)
+    grad = torch.empty((M, V), dtype=x.dtype)
+    rows = max(1, CPU_CHUNK_ELEMS // max(V, 1))
+    for r0 in range(0, M, rows):  # no (M, V) fp32 tensor at once
+        r1 = min(M, r0 + rows)
+        loss[r0:r1], grad[r0:r1] = _ce_grad_torch(_logits(x[r0:r1], weight, bias), targets[r0:r1])
+    return loss, grad
+
+
+@_linear_ce.register_kernel("cuda")
+def _(x, weight, bias, targets):
+    grad = _logits(x, weight, bias)
+    return ce_grad_(grad, targets), grad
+
+
+@_linear_ce.register_fake
+def _(x, weight, bias, targets):
+    return x.new_empty((x.shape[0],), dtype=torch.float32), x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, targets = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])  # G is the saved gradient, not a differentiable output
+    ctx.set_materialize_grads(False)  # ... so no (M, V) zeros are made for it in the backward
+
+
+def _backward(ctx, dloss, _dgrad):
+    x, weight, grad = ctx.saved_tensors
+    if dloss is None:
+        return None, None, None, None
+    g = dloss.float()[:, None]  # (M, 1) d total / d loss_i
+    dt = x.dtype
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = (grad @ weight).float().mul_(g).to(dt)
+    if ctx.needs_input_grad[1]:
+        dw = grad.t() @ (x.float() * g).to(dt)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        hi = g.to(dt)
+        lo = (g - hi.float()).to(dt)  # g = hi + lo to ~fp32 precision: the rounding of g biases nothing
+        db = (grad.t() @ torch.cat((hi, lo), dim=1)).float().sum(1).to(dt)
+    return dx, dw, db, None
+
+
+_linear_ce.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_cross_entropy(x_MD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, targets_M: Tensor) -> Tensor:
+    """Per-row cross-entropy of the logits x @ W^T + b; see `reference.linear_cross_entropy`.
+
+    Arguments:
+        x_MD: (M, D) features of the scored rows. weight_VD: (V, D) decoder, x's dtype; bias_V: (V,) or None.
+        targets_M: (M,) int ids in [0, V); -100 (any id outside [0, V)) is ignored: loss 0.
+    Return:
+        (M,) fp32 losses. Saves one (M, V) tensor in x's dtype for the backward (module docstring).
+    """
+    if x_MD.dtype != weight_VD.dtype or (bias_V is not None and bias_V.dtype != x_MD.dtype):
+        raise TypeError(f"linear_cross_entropy: x {x_MD.dtype}, weight {weight_VD.dtype} and bias "
+                        f"{None if bias_V is None else bias_V.dtype} must share one dtype (as F.linear)")
+    return torch.ops.packedenc.linear_cross_entropy(x_MD, weight_VD, bias_V, targets_M)[0]
