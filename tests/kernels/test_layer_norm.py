@@ -94,6 +94,15 @@ def test_backward_kernel_matches_reference_backward(dtype, mode, D):
         assert_close_to_ref(got, r32, r, atol=1e-5, what=name)
 
 
+def test_backward_kernel_without_dbias():
+    """need_db=False (bias-free norms): no dbias work, the same dx and dweight bit for bit."""
+    x, w, _ = _inputs(T_CPU, 40, torch.float32)
+    dy, dsum = torch.randn(T_CPU, 40).to(DEVICE), torch.randn(T_CPU, 40).to(DEVICE)
+    dx, dw, db = L.ln_bwd(dy, x, w, 1e-5, dsum=dsum, need_db=False)
+    full = L.ln_bwd(dy, x, w, 1e-5, dsum=dsum)
+    assert db is None and torch.equal(dx, full[0]) and torch.equal(dw, full[1])
+
+
 # ---- the registered ops (CPU: the reference implementation) --------------------------------------
 
 
@@ -106,6 +115,9 @@ def test_ops_pass_opcheck():
         torch.library.opcheck(torch.ops.packedenc.layer_norm.default, [a.requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
     torch.library.opcheck(torch.ops.packedenc.add_layer_norm.default, (x, r, w, b, 1e-5))
     torch.library.opcheck(torch.ops.packedenc.embed_layer_norm.default, (ids, table, w, b, 1e-5))
+    for need_db in (True, False):  # the backward op; without dbias it returns an empty tensor
+        args = (r.detach(), x.detach(), None, r.detach(), w.detach(), 1e-5, need_db)  # no double backward
+        torch.library.opcheck(torch.ops.packedenc.layer_norm_bwd.default, args)
 
 
 def test_op_gradients_equal_reference_autograd():
@@ -129,6 +141,28 @@ def test_op_gradients_equal_reference_autograd():
     for op, ref, leaves in pairs:
         for g, gr in zip(grads(op, *leaves), grads(ref, *leaves)):
             torch.testing.assert_close(g, gr, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("used", ["normed", "sum"])
+def test_add_layer_norm_op_with_an_unused_output(used):
+    """The final norm's sum output is unused: its gradient is None in the backward (no zero-filled
+    (T, D) tensor), and the gradients still equal the reference's."""
+    x, w, b = _inputs(6, 8, torch.float32, device="cpu")
+    r = torch.randn_like(x)
+    cot = torch.randn_like(x)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, r, w, b)]
+        y, s = fn(*leaves, 1e-5)
+        return torch.autograd.grad(y if used == "normed" else s, leaves, cot, allow_unused=True)
+
+    got, want = grads(L.add_layer_norm), grads(reference.add_layer_norm)
+    for a, c in zip(got, want):
+        assert (a is None) == (c is None)
+        if a is not None:
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    if used == "sum":
+        assert got[2] is None and torch.equal(got[0], cot)
 
 
 def test_ops_compile_fullgraph():

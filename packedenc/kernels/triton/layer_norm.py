@@ -87,12 +87,13 @@ def _ln_bwd_kernel(
     DSUM,  # (T, D) gradient reaching the LayerNorm input directly (add_layer_norm's sum output)
     DX,  # (T, D) out: gradient of the LayerNorm input rows
     DW,  # (P, D) fp32 out: per-program partial sum of dy * xhat
-    DB,  # (P, D) fp32 out: per-program partial sum of dy
+    DB,  # (P, D) fp32 out: per-program partial sum of dy (HAS_DB)
     T, V, D,
     tiles_per_prog,  # each program owns tiles [pid * tiles_per_prog, (pid + 1) * tiles_per_prog)
     stride_dy, stride_x, stride_ds, stride_dx,
     eps,
     HAS_DSUM: tl.constexpr,
+    HAS_DB: tl.constexpr,  # False for bias-free norms (ModernBERT): no dbias work at all
     GATHER: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -128,9 +129,11 @@ def _ln_bwd_kernel(
             dx += tl.load(DSUM + row[:, None] * stride_ds + col[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-        db += dy
+        if HAS_DB:
+            db += dy
     tl.store(DW + pid.to(tl.int64) * D + col, tl.sum(dw, axis=0), mask=cmask)
-    tl.store(DB + pid.to(tl.int64) * D + col, tl.sum(db, axis=0), mask=cmask)
+    if HAS_DB:
+        tl.store(DB + pid.to(tl.int64) * D + col, tl.sum(db, axis=0), mask=cmask)
 
 
 # ---- launchers (device-agnostic: CUDA, or CPU tensors under TRITON_INTERPRET=1) ----------------
@@ -173,9 +176,10 @@ def ln_fwd(
 
 def ln_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, eps: float,
-    dsum: Tensor | None = None, ids: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward. Return (dx (T, D) in x's dtype, dweight, dbias in weight's dtype)."""
+    dsum: Tensor | None = None, ids: Tensor | None = None, need_db: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Launch the backward. Return (dx (T, D) in x's dtype, dweight, dbias in weight's dtype;
+    dbias is None when not `need_db`)."""
     D = x.shape[-1]
     dy2, x2 = rows(dy), rows(x)
     T = dy2.shape[0]
@@ -185,8 +189,10 @@ def ln_bwd(
     n_tiles = triton.cdiv(T, BLOCK_T)
     tiles_per_prog = max(1, triton.cdiv(n_tiles, 1024))  # fixed by T alone: deterministic sums
     P = max(1, triton.cdiv(n_tiles, tiles_per_prog))
-    dw = torch.zeros((P, D), dtype=torch.float32, device=x.device)  # zeros: T == 0 launches nothing
-    db = torch.zeros((P, D), dtype=torch.float32, device=x.device)
+    # every program writes its partial row, so the buffers need no fill (zeros when T == 0: no launch)
+    new = torch.empty if T else torch.zeros
+    dw = new((P, D), dtype=torch.float32, device=x.device)
+    db = new((P, D), dtype=torch.float32, device=x.device) if need_db else dw
     if T:
         ds2 = rows(dsum) if dsum is not None else dy2
         _ln_bwd_kernel[(P,)](
@@ -194,10 +200,10 @@ def ln_bwd(
             T, x2.shape[0], D, tiles_per_prog,
             dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
             eps,
-            HAS_DSUM=dsum is not None, GATHER=ids is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-            num_warps=num_warps,
+            HAS_DSUM=dsum is not None, HAS_DB=need_db, GATHER=ids is not None, BLOCK_T=BLOCK_T,
+            BLOCK_D=BLOCK_D, num_warps=num_warps,
         )
-    return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
+    return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype) if need_db else None
 
 
 # ---- registered ops ----------------------------------------------------------------------------
@@ -253,26 +259,29 @@ def _(ids, table, weight, bias, eps):
 
 
 # The backward op: dx of the LayerNorm input rows (gathered from `x` through `ids` when given),
-# plus `dsum` (gradient arriving at the LayerNorm input from elsewhere), dweight and dbias.
+# plus `dsum` (gradient arriving at the LayerNorm input from elsewhere), dweight and dbias (an empty
+# tensor when not `need_db`: bias-free norms skip that reduction).
 @torch.library.custom_op("packedenc::layer_norm_bwd", mutates_args=(), device_types="cpu")
 def _layer_norm_bwd(
-    dy: Tensor, x: Tensor, ids: Tensor | None, dsum: Tensor | None, weight: Tensor, eps: float
+    dy: Tensor, x: Tensor, ids: Tensor | None, dsum: Tensor | None, weight: Tensor, eps: float,
+    need_db: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rows_ = F.embedding(ids, x) if ids is not None else x
     dx, dw, db = reference_bwd.layer_norm_bwd(dy, rows_, weight, eps, dsum)
-    return dx.reshape(-1, x.shape[-1]), dw, db
+    return dx.reshape(-1, x.shape[-1]), dw, db if need_db else db.new_empty(0)
 
 
 @_layer_norm_bwd.register_kernel("cuda")
-def _(dy, x, ids, dsum, weight, eps):
-    return ln_bwd(dy, x, weight, eps, dsum=dsum, ids=ids)
+def _(dy, x, ids, dsum, weight, eps, need_db=True):
+    dx, dw, db = ln_bwd(dy, x, weight, eps, dsum=dsum, ids=ids, need_db=need_db)
+    return dx, dw, db if need_db else dw.new_empty(0)
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, ids, dsum, weight, eps):
+def _(dy, x, ids, dsum, weight, eps, need_db=True):
     D = x.shape[-1]
     T = ids.numel() if ids is not None else x.numel() // D
-    return x.new_empty((T, D)), weight.new_empty((D,)), weight.new_empty((D,))
+    return x.new_empty((T, D)), weight.new_empty((D,)), weight.new_empty((D,) if need_db else (0,))
 
 
 def _ln_setup(ctx, inputs, output):
@@ -283,7 +292,7 @@ def _ln_setup(ctx, inputs, output):
 
 def _ln_backward(ctx, dy):
     x, weight = ctx.saved_tensors
-    dx, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, x, None, None, weight, ctx.eps)
+    dx, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, x, None, None, weight, ctx.eps, ctx.has_bias)
     return dx.view_as(x), dw, db if ctx.has_bias else None, None
 
 
@@ -292,12 +301,19 @@ def _add_ln_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], weight)  # the rounded sum is the LayerNorm input
     ctx.eps, ctx.has_bias = eps, bias is not None
     ctx.dtypes = (x.dtype, residual.dtype)
+    # An unused output (the final norm's sum) gets None, not a zero-filled (T, D) gradient.
+    ctx.set_materialize_grads(False)
 
 
 def _add_ln_backward(ctx, dy, dsum):
     s, weight = ctx.saved_tensors
-    ds, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, s, None, dsum, weight, ctx.eps)
-    ds = ds.view_as(s)
+    if dy is None and dsum is None:
+        return None, None, None, None, None
+    if dy is None:  # only the sum is used: the LayerNorm contributes nothing
+        ds, dw, db = dsum, None, None
+    else:
+        ds, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, s, None, dsum, weight, ctx.eps, ctx.has_bias)
+        ds = ds.view_as(s)
     return ds.to(ctx.dtypes[0]), ds.to(ctx.dtypes[1]), dw, db if ctx.has_bias else None, None
 
 
@@ -309,7 +325,8 @@ def _embed_ln_setup(ctx, inputs, output):
 
 def _embed_ln_backward(ctx, dy):
     ids, table, weight = ctx.saved_tensors
-    dx, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, table, ids.reshape(-1), None, weight, ctx.eps)
+    dx, dw, db = torch.ops.packedenc.layer_norm_bwd(dy, table, ids.reshape(-1), None, weight, ctx.eps,
+                                                    ctx.has_bias)
     # embedding_dense_backward is F.embedding's own backward (sorted segment sums on CUDA).
     dtable = torch.ops.aten.embedding_dense_backward(dx, ids.reshape(-1), table.shape[0], -1, False)
     return None, dtable, dw, db if ctx.has_bias else None, None
