@@ -94,6 +94,16 @@ def test_backward_kernel_matches_reference_backward(dtype, mode, D):
         assert_close_to_ref(got, r32, r, atol=1e-5, what=name)
 
 
+@pytest.mark.parametrize("programs", [1, 3])  # one program over every tile; 3 uneven ranges of 7 tiles
+def test_backward_kernel_programs_own_several_tiles(programs, monkeypatch):
+    monkeypatch.setattr(L, "BWD_PROGRAMS", programs)
+    x, w, b = _inputs(T_CPU, 600, torch.float32)  # one row per tile: T_CPU = 20 tiles
+    dy, dsum = torch.randn(T_CPU, 600).to(DEVICE), torch.randn(T_CPU, 600).to(DEVICE)
+    got = L.ln_bwd(dy, x, w, 1e-5, dsum=dsum)
+    for name, a, r in zip(("dx", "dw", "db"), got, reference_bwd.layer_norm_bwd(dy, x, w, 1e-5, dsum)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_backward_kernel_without_dbias():
     """need_db=False (bias-free norms): no dbias work, the same dx and dweight bit for bit."""
     x, w, _ = _inputs(T_CPU, 40, torch.float32)

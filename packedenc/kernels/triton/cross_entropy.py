@@ -34,8 +34,8 @@ from packedenc.kernels.triton._common import check_float
 
 __all__ = ["linear_cross_entropy", "ce_grad_", "CPU_CHUNK_ELEMS"]
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # constexpr: compiled kernels may not read plain globals
+LN2 = tl.constexpr(0.6931471805599453)
 CPU_CHUNK_ELEMS = 1 << 24  # logits per chunk of the CPU implementation (64 MB in fp32)
 
 
