@@ -73,6 +73,7 @@ class Ops:
     deberta_attention: Callable  # disentangled (content + c2p + p2c) attention, DeBERTa-v2/v3
     varlen_conv1d: Callable  # conv along each packed sequence (DeBERTa-v2-xlarge ConvLayer)
     graph_attention: Callable  # varlen attention, own query/key boundaries + per-key head bias (graph)
+    graph_readout: Callable  # anchor + softmax-weighted neighbours per packed sequence (graph readout)
     linear_cross_entropy: Callable  # per-row CE of x @ W^T + b (MLM decoder + loss; kernels keep no logits)
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "rotary",
     "varlen_attention",
     "graph_attention",
+    "graph_readout",
     "log_bucket_position",
     "relative_positions",
     "deberta_attention",
@@ -377,8 +378,8 @@ def varlen_conv1d(
 
 def graph_attention(
     q_QHK: Tensor,
-    k_THK: Tensor,
-    v_THK: Tensor,
+    k_THK: Tensor | None,
+    v_THK: Tensor | None,
     cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor,
     max_seqlen_q: int,
@@ -395,6 +396,8 @@ def graph_attention(
 
     Arguments:
         q_QHK: (Q, H, K) packed queries; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1].
+            Or, with k_THK = v_THK = None, the fused (T, 3, H, K) q / k / v buffer of a full layer
+            (cu_seqlens_q = cu_seqlens_k), which lets kernels keep its gradient one tensor.
         k_THK, v_THK: (T, H, K) packed keys / values; sequence s owns cu_seqlens_k[s]:cu_seqlens_k[s+1].
         cu_seqlens_q, cu_seqlens_k: (S+1,) int32, same S. Every sequence needs at least one key.
         max_seqlen_q, max_seqlen_k: host ints >= the longest query / key run.
@@ -407,6 +410,8 @@ def graph_attention(
     """
     from packedenc.packing import positions_from_cu_seqlens, segment_ids
 
+    if k_THK is None and v_THK is None:
+        q_QHK, k_THK, v_THK = q_QHK.unbind(1)
     Q, H, K = q_QHK.shape
     T = k_THK.shape[0]
     S = cu_seqlens_q.numel() - 1
@@ -431,3 +436,43 @@ def graph_attention(
     probs = torch.softmax(scores, dim=-1)
     o_SHLK = torch.einsum("shij,shjk->shik", probs, grid(v_THK, sk, pk, max_seqlen_k))
     return o_SHLK.transpose(1, 2)[sq, pq].to(q_QHK.dtype)
+
+
+def graph_readout(
+    z_TD: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, max_seqlen: int
+) -> Tensor:
+    """GiGL's "anchor_neighbor_attention" readout: the anchor plus its attention-weighted neighbours.
+
+    out_s = z_anchor + sum_{t >= 1} w_t z_t,  w = softmax over the sequence's tokens t >= 1 of
+    weight . [z_anchor, z_t] + bias. A sequence without neighbours returns its anchor.
+
+    Arguments:
+        z_TD: (T, D) packed final states, each sequence's anchor first.
+        weight: (1, 2D) GiGL's `_readout_attention.weight` ([:, :D] scores the anchor, [:, D:] the
+            neighbour). bias: (1,) or None. cu_seqlens: (S+1,) int32. max_seqlen: host int (unused
+            here; kernels may use it).
+    Return:
+        (S, D) in z's dtype; fp32 math, one rounding.
+    """
+    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+
+    T, D = z_TD.shape
+    S = cu_seqlens.numel() - 1
+    seg_T = segment_ids(cu_seqlens, T)
+    is_anchor_T = positions_from_cu_seqlens(cu_seqlens, T) == 0
+    z = z_TD.float()
+    w_2D = weight.float().reshape(2, D)
+    anchor_SD = z.index_select(0, cu_seqlens[:-1].long())
+    s_T = z @ w_2D[1] + (anchor_SD @ w_2D[0]).index_select(0, seg_T)
+    if bias is not None:
+        s_T = s_T + bias.float()
+    s_T = s_T.masked_fill(is_anchor_T, float("-inf"))
+    m_S = torch.full((S,), float("-inf"), device=z.device).scatter_reduce(
+        0, seg_T, s_T.detach(), reduce="amax", include_self=True
+    )
+    m_S = torch.where(torch.isfinite(m_S), m_S, torch.zeros_like(m_S))  # anchor-only sequences
+    e_T = torch.exp(s_T - m_S.index_select(0, seg_T))  # 0 at anchors
+    den_S = torch.zeros(S, device=z.device).index_add(0, seg_T, e_T)
+    w_T = e_T / den_S.clamp_min(torch.finfo(torch.float32).tiny).index_select(0, seg_T)
+    agg_SD = torch.zeros(S, D, device=z.device).index_add(0, seg_T, w_T[:, None] * z)
+    return (anchor_SD + agg_SD).to(z_TD.dtype)

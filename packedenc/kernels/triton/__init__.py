@@ -13,6 +13,7 @@ from packedenc.kernels import register_impl
 from packedenc.kernels.triton import (
     activation, attention, cross_entropy, deberta_attention, glu, layer_norm, rotary,
 )
+from packedenc.kernels.triton import graph_readout
 
 for _name, _fn in (
     ("layer_norm", layer_norm.layer_norm),
@@ -24,5 +25,6 @@ for _name, _fn in (
     ("deberta_attention", deberta_attention.deberta_attention),
     ("varlen_attention", attention.varlen_attention),  # forward kernel where it wins, else FA2
     ("linear_cross_entropy", cross_entropy.linear_cross_entropy),  # GEMM + in-place loss/grad kernel
+    ("graph_readout", graph_readout.graph_readout),  # graph transformer readout, a program per sequence
 ):
     register_impl("triton", _name, _fn)
