@@ -14,7 +14,9 @@ import packedenc as pe
 from packedenc.convert.gigl import gigl_key, to_gigl
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import reference
+from packedenc.kernels import graph_attention as GA
 from packedenc.kernels.graph_attention import graph_attention as graph_attention_cuda
+from packedenc.models.graph_transformer import forward as FW
 from packedenc.models.graph_transformer import GraphTransformerConfig, encode, init, project_nodes
 from packedenc.pytree import named_leaves, tree_map
 from tests.models.graph_padded import PaddedGraphTransformer, padded_inputs
@@ -192,6 +194,89 @@ def test_cuda_graph_attention_folding_equals_reference(K, anchors_only, bias):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_qkv_fold_equals_separate_fold():
+    g = torch.Generator().manual_seed(0)
+    qkv, kb = torch.randn(11, 3, 2, 8, generator=g), torch.randn(11, 2, generator=g)
+    fused = GA.fold_key_bias_qkv(qkv, kb, 0.3)
+    assert fused.shape == (11, 3, 2, 9)
+    for got, want in zip(fused.unbind(1), GA.fold_key_bias(*qkv.unbind(1), kb, 0.3)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_routes_to_the_token_block_core_on_cpu(bias):
+    # fp16 on the CPU: the "triton" core's registered op runs its reference there, so this checks
+    # the routing (fused buffer, fold without padding, slicing the bias column off) and that the
+    # gradient reaches the fused buffer; the kernels themselves: tests/kernels/test_packed_attention.py
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 1, 6, 8, 17], dtype=torch.int32)
+    qkv = torch.randn(17, 3, 3, 8, generator=g).half().requires_grad_()
+    kb = torch.randn(17, 3, generator=g).half() if bias else None
+    assert GA.choose_core(torch.float16, fused=True) == "triton"
+    assert GA.choose_core(torch.float16, fused=False) == "efficient"  # own query boundaries
+    assert GA.choose_core(torch.float32, fused=True, core="flash") == "efficient"  # fp32
+    assert GA.choose_core(torch.bfloat16, fused=True, head_dim=256) == "efficient"  # 257 with a bias column
+    assert GA.choose_core(torch.bfloat16, fused=True, core="flash") == "flash"
+    out = graph_attention_cuda(qkv, None, None, cu, cu, 9, 9, kb)
+    want = reference.graph_attention(qkv, None, None, cu, cu, 9, 9, kb)
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+    (d,) = torch.autograd.grad(out.float().sum(), qkv)
+    x = qkv.detach().float().requires_grad_()
+    (d_ref,) = torch.autograd.grad(reference.graph_attention(x, None, None, cu, cu, 9, 9, kb).sum(), x)
+    assert d.shape == qkv.shape
+    torch.testing.assert_close(d.float(), d_ref, atol=5e-3, rtol=5e-3)
+    with pytest.raises(ValueError, match="unknown graph_attention core"):
+        GA.choose_core(torch.float16, True, "fa3")
+
+
+def test_efficient_shared_gradient_storage_is_returned_without_a_copy():
+    T, H, K = 5, 2, 8
+    chunk = torch.randn(1, T, 3, H, K)
+    dq, dk, dv = chunk.select(2, 0), chunk.select(2, 1), chunk.select(2, 2)  # what aten allocates
+    dqkv = GA._dqkv_from_shared(dq, dk, dv)
+    assert dqkv.shape == (T, 3, H, K) and dqkv.data_ptr() == chunk.data_ptr()
+    torch.testing.assert_close(dqkv, chunk[0], atol=0, rtol=0)
+    apart = [t.clone() for t in (dq, dk, dv)]  # separate tensors: one stack
+    stacked = GA._dqkv_from_shared(*apart)
+    assert stacked.data_ptr() != chunk.data_ptr()
+    torch.testing.assert_close(stacked, chunk[0], atol=0, rtol=0)
+
+
+def _saved_numel(fn) -> int:
+    n = [0]
+
+    def pack(t):
+        n[0] += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return n[0]
+
+
+@pytest.mark.parametrize("name", ["neighbor-gelu-all", "neighbor-geglu-ratio"])
+def test_ffn_activation_recompute_keeps_gradients_and_saves_memory(name, monkeypatch):
+    cfg, p = make(name)
+    x, cu, kw = inputs(cfg)
+    p = tree_map(lambda t: t.detach().requires_grad_(), p)
+    leaves = [t for _, t in named_leaves(p)]
+
+    def grads():
+        out = encode(p, x, cu, **kw, backend="reference")
+        return torch.autograd.grad(out.square().sum(), leaves)
+
+    with_recompute = grads()
+    saved_recompute = _saved_numel(lambda: encode(p, x, cu, **kw, backend="reference"))
+    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", False)
+    plain = grads()
+    saved_plain = _saved_numel(lambda: encode(p, x, cu, **kw, backend="reference"))
+    for a, b in zip(with_recompute, plain):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # act(u) (and, for gated FFNs, the activation's own fp32 intermediates) is no longer kept:
+    # at least (T, F) elements fewer per layer
+    assert saved_plain - saved_recompute >= cfg.num_layers * x.shape[0] * cfg.ffn_dim
+
+
 def test_reference_attention_isolates_sequences_and_applies_key_bias():
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
@@ -289,9 +374,11 @@ def test_gpu_fp32_equals_padded_and_bf16_within_twice_padded_error(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,core", [(torch.float32, "efficient"), (torch.bfloat16, "triton"),
+                                        (torch.bfloat16, "efficient"), (torch.bfloat16, "flash")])
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2"])
-def test_gpu_gradients_match_padded(name, dtype):
+def test_gpu_gradients_match_padded(name, dtype, core, monkeypatch):
+    monkeypatch.setattr(GA, "LOWP_CORE", core)
     cfg, p = make(name)
     x, cu, kw = inputs(cfg, lengths=[1, 40, 3, 128, 7])
     dev = "cuda"
@@ -324,23 +411,62 @@ def test_gpu_gradients_match_padded(name, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("core", GA.CORES)  # fp32 and separate q / k / v run "efficient" whatever is asked
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("anchors_only", [False, True])
+@pytest.mark.parametrize("layout", ["fused", "separate", "anchors_only"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gpu_graph_attention_equals_reference(dtype, anchors_only, bias):
+def test_gpu_graph_attention_equals_reference(core, dtype, layout, bias):
     dev = "cuda"
     lengths = torch.tensor([1, 90, 3, 256, 17, 1, 64])
     cu = torch.zeros(8, dtype=torch.int32, device=dev)
     cu[1:] = torch.cumsum(lengths, 0).to(dev)
     T, H, K, S = int(lengths.sum()), 8, 64, 7
-    q, k, v = (torch.randn(T, H, K, device=dev) for _ in range(3))
-    kb = torch.randn(T, H, device=dev) if bias else None
+    g = torch.Generator(device=dev).manual_seed(0)
+    qkv = torch.randn(T, 3, H, K, device=dev, generator=g)
+    kb = torch.randn(T, H, device=dev, generator=g) if bias else None
+    do = torch.randn(S if layout == "anchors_only" else T, H, K, device=dev, generator=g)
     cq, mq = cu, 256
-    if anchors_only:
-        q, cq, mq = q[cu[:-1].long()], torch.arange(S + 1, dtype=torch.int32, device=dev), 1
-    want = reference.graph_attention(q, k, v, cq, cu, mq, 256, kb)
-    lowp = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    got = graph_attention_cuda(lowp(q), lowp(k), lowp(v), cq, cu, mq, 256, kb)
-    ref_lowp = reference.graph_attention(lowp(q), lowp(k), lowp(v), cq, cu, mq, 256, lowp(kb))
-    err, err_ref = (got.float() - want).abs().max(), (ref_lowp.float() - want).abs().max()
+    if layout == "fused":
+        leaves = [qkv]
+        call = lambda x, kb_: (x[0], None, None, cq, cu, mq, 256, kb_)  # noqa: E731
+    else:
+        q, k, v = qkv.unbind(1)
+        if layout == "anchors_only":
+            q, cq, mq = q[cu[:-1].long()], torch.arange(S + 1, dtype=torch.int32, device=dev), 1
+        leaves = [q, k, v]
+        call = lambda x, kb_: (x[0], x[1], x[2], cq, cu, mq, 256, kb_)  # noqa: E731
+
+    def run(fn, dt):
+        xs = [t.detach().to(dt).requires_grad_() for t in leaves]
+        out = fn(*call(xs, None if kb is None else kb.to(dt)))
+        return out.float(), [d.float() for d in torch.autograd.grad(out, xs, do.to(dt))]
+
+    want, want_d = run(reference.graph_attention, torch.float32)
+    ref_lowp, ref_lowp_d = run(reference.graph_attention, dtype)
+    got, got_d = run(lambda *a: graph_attention_cuda(*a, core=core), dtype)
+    err, err_ref = (got - want).abs().max(), (ref_lowp - want).abs().max()
     assert err <= 2 * err_ref + 5e-5, (err, err_ref)
+    for d, r, rl in zip(got_d, want_d, ref_lowp_d):
+        e, e_ref = (d - r).abs().max(), (rl - r).abs().max()
+        assert e <= 2 * e_ref + 1e-4 * max(1.0, float(r.abs().max())), (e, e_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_efficient_core_fused_gradient_equals_aten_backward():
+    # shared_storage_dqdkdv: the fused buffer's gradient is the chunk aten allocated, viewed (T, 3, H, K)
+    dev = "cuda"
+    cu = torch.tensor([0, 5, 40, 41], dtype=torch.int32, device=dev)
+    qkv = torch.randn(41, 3, 4, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    out = GA.efficient_qkv_attention(qkv, cu, 35, 64**-0.5)
+    captured = {}
+    qkv.register_hook(lambda gr: captured.setdefault("g", gr))
+    out.float().sum().backward()
+    gr = captured["g"]
+    assert gr.shape == qkv.shape and gr.is_contiguous()
+    q, k, v = qkv.detach().unbind(1)
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        torch.ones_like(out)[None], q[None], k[None], v[None], None, out.detach()[None], cu, cu, 35, 35,
+        torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu, cu, 35, 35, 0.0, 0, True,
+                                                    scale=64**-0.5)[1],
+        0.0, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64), 0, False, scale=64**-0.5)
+    torch.testing.assert_close(gr, torch.stack([dq[0], dk[0], dv[0]], 1))

@@ -17,10 +17,11 @@ features, A key-bias features, O out_dim.
 
 from __future__ import annotations
 
-from typing import Mapping
+import functools
+from typing import Callable, Mapping
 
 import torch
-import torch.nn.functional as Fn
+import torch.nn.functional as F
 from torch import Tensor
 
 from packedenc.errors import InputError
@@ -31,12 +32,22 @@ from packedenc.models.graph_transformer.params import (
     EncoderLayer,
     GraphTransformerParams,
 )
-from packedenc.packing import check_cu_seqlens, positions_from_cu_seqlens, segment_ids
+from packedenc.packing import check_cu_seqlens
 
 __all__ = ["encode", "project_nodes", "layer", "readout"]
 
 
 # ---- layers ---------------------------------------------------------------------------------
+#
+# The residual stream is carried as (delta, residual): a block returns its output un-added and the
+# next norm adds it with `ops.add_layer_norm`, which rounds the sum to the activation dtype before
+# the statistics (exactly GiGL's `x = x + f(x)` then `norm(x)`) and returns that sum as the new
+# residual: one fused kernel (and one fused backward) instead of an add and a norm.
+
+# Keep only the FFN's pre-activation for the backward and recompute act(u) there (one elementwise
+# pass over u) instead of also keeping act(u): (T, F) fewer saved elements per layer, 1/4 of a
+# layer's activation memory at ratio 4. Autograd only (torch.func / torch.compile keep both).
+RECOMPUTE_FFN_ACTIVATION = True
 
 
 def _qkv_weights(p: EncoderLayer) -> tuple[Tensor, Tensor | None]:
@@ -46,15 +57,61 @@ def _qkv_weights(p: EncoderLayer) -> tuple[Tensor, Tensor | None]:
     return w, None if any(b is None for b in bs) else torch.cat(bs)
 
 
+class _ActLinear(torch.autograd.Function):
+    """linear(act(u), W, b) that saves u (not act(u)) and recomputes act(u) in the backward."""
+
+    @staticmethod
+    def forward(u: Tensor, weight: Tensor, bias: Tensor | None, act: Callable[[Tensor], Tensor],
+                linear: Callable[..., Tensor]) -> Tensor:
+        return linear(act(u), weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        u, weight, bias, act, _ = inputs
+        ctx.save_for_backward(u, weight)
+        ctx.act, ctx.has_bias = act, bias is not None
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        u, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dg = dy @ weight  # first: the recomputed act(u) then lives only for the weight gradient
+        with torch.enable_grad():
+            u_ = u.detach().requires_grad_()
+            g = ctx.act(u_)
+        dw = dy2.t() @ g.detach().reshape(-1, g.shape[-1])
+        du = torch.autograd.grad(g, u_, dg)[0] if ctx.needs_input_grad[0] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return du, dw, db, None, None
+
+
 def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops) -> Tensor:
     u = ops.linear(h_XD, p.ffn.linear_in.weight, p.ffn.linear_in.bias)
-    g = ops.glu(u, XGLU[cfg.activation]) if cfg.is_xglu else ops.activation(u, cfg.activation)
-    return ops.linear(g, p.ffn.linear_out.weight, p.ffn.linear_out.bias)
+    if cfg.is_xglu:
+        act = functools.partial(ops.glu, act=XGLU[cfg.activation])
+    else:
+        act = functools.partial(ops.activation, act=cfg.activation)
+    out = p.ffn.linear_out
+    if RECOMPUTE_FFN_ACTIVATION and torch.is_grad_enabled() and u.requires_grad and _plain_autograd():
+        return _ActLinear.apply(u, out.weight, out.bias, act, ops.linear)
+    return ops.linear(act(u), out.weight, out.bias)
+
+
+def _plain_autograd() -> bool:
+    """Eager autograd: no torch.compile trace, no torch.func transform (they keep act(u))."""
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is None
+    except AttributeError:  # private hook moved: keep both tensors, always correct
+        return False
 
 
 def layer(
     p: EncoderLayer,
-    x_TD: Tensor,
+    delta_TD: Tensor | None,
+    residual_TD: Tensor,
     cu_seqlens: Tensor,
     max_seqlen: int,
     key_bias_TH: Tensor | None,
@@ -62,71 +119,62 @@ def layer(
     ops: Ops,
     *,
     anchors_only: bool = False,
-) -> Tensor:
-    """One pre-norm encoder layer. Pure: returns a new tensor.
+) -> tuple[Tensor, Tensor]:
+    """One pre-norm encoder layer on the stream `residual + delta`. Pure: returns new tensors.
 
     Arguments:
-        x_TD: (T, D) packed token states. cu_seqlens: (S+1,) int32. max_seqlen: host int.
+        delta_TD: (T, D) previous block's output not yet added to residual_TD, or None.
+        residual_TD: (T, D) packed token states. cu_seqlens: (S+1,) int32. max_seqlen: host int.
         key_bias_TH: (T, H) additive per-key score bias, or None.
         anchors_only: compute only the first token of every sequence (queries, residual and FFN);
-            keys and values still cover all tokens. Returns (S, D) instead of (T, D).
+            keys and values still cover all tokens. Returns (S, D) tensors instead of (T, D).
+    Return:
+        (delta, residual): this layer's output is residual + delta (added by the next norm).
     """
-    T, H, K = x_TD.shape[0], cfg.num_heads, cfg.head_dim
-    an = p.attention_norm
-    h_TD = ops.layer_norm(x_TD, an.weight, an.bias, cfg.norm_eps)
+    T, H, K = residual_TD.shape[0], cfg.num_heads, cfg.head_dim
+    an, eps = p.attention_norm, cfg.norm_eps
+    if delta_TD is None:
+        h_TD = ops.layer_norm(residual_TD, an.weight, an.bias, eps)
+    else:
+        h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, an.weight, an.bias, eps)
     w, b = _qkv_weights(p)
     if anchors_only:
         S = cu_seqlens.numel() - 1
         idx_S = cu_seqlens[:-1].long()
-        resid_XD = x_TD.index_select(0, idx_S)
+        resid_XD = residual_TD.index_select(0, idx_S)
         q_XHK = ops.linear(h_TD.index_select(0, idx_S), w[:H * K], None if b is None else b[:H * K]).view(S, H, K)
         kv_T2HK = ops.linear(h_TD, w[H * K:], None if b is None else b[H * K:]).view(T, 2, H, K)
-        k_THK, v_THK = kv_T2HK[:, 0], kv_T2HK[:, 1]
-        cu_q = torch.arange(S + 1, dtype=torch.int32, device=x_TD.device)
-        o_XHK = ops.graph_attention(q_XHK, k_THK, v_THK, cu_q, cu_seqlens, 1, max_seqlen, key_bias_TH)
+        cu_q = torch.arange(S + 1, dtype=torch.int32, device=residual_TD.device)
+        o_XHK = ops.graph_attention(q_XHK, kv_T2HK[:, 0], kv_T2HK[:, 1], cu_q, cu_seqlens, 1, max_seqlen,
+                                    key_bias_TH)
     else:
-        resid_XD = x_TD
+        resid_XD = residual_TD
+        # The fused (T, 3, H, K) buffer goes to the op whole, so kernels can hand back its gradient
+        # as one tensor for the one GEMM's backward.
         qkv_T3HK = ops.linear(h_TD, w, b).view(T, 3, H, K)
-        q_XHK, k_THK, v_THK = qkv_T3HK.unbind(1)
-        o_XHK = ops.graph_attention(q_XHK, k_THK, v_THK, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        o_XHK = ops.graph_attention(qkv_T3HK, None, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                     key_bias_TH)
     X = o_XHK.shape[0]
-    op = p.output_projection
-    x_XD = resid_XD + ops.linear(o_XHK.reshape(X, H * K), op.weight, op.bias)
-    fn = p.ffn_norm
-    return x_XD + _ffn(p, ops.layer_norm(x_XD, fn.weight, fn.bias, cfg.norm_eps), cfg, ops)
+    op, fn = p.output_projection, p.ffn_norm
+    a_XD = ops.linear(o_XHK.reshape(X, H * K), op.weight, op.bias)
+    h_XD, resid_XD = ops.add_layer_norm(a_XD, resid_XD, fn.weight, fn.bias, eps)
+    return _ffn(p, h_XD, cfg, ops), resid_XD
 
 
 # ---- readout --------------------------------------------------------------------------------
 
 
-def readout(params: GraphTransformerParams, z_TD: Tensor, cu_seqlens: Tensor) -> Tensor:
+def readout(params: GraphTransformerParams, z_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int | None = None,
+            *, backend: str | Ops = "auto") -> Tensor:
     """GiGL's "anchor_neighbor_attention" readout on packed final states: (T, D) -> (S, D).
 
     out_s = z_anchor + sum_{t >= 1} w_t z_t with w = softmax_t(r . [z_anchor, z_t] + b) over the
-    sequence's neighbours; a sequence without neighbours returns its anchor. fp32 math.
+    sequence's neighbours; a sequence without neighbours returns its anchor (`ops.graph_readout`).
     """
-    T, D = z_TD.shape
-    S = cu_seqlens.numel() - 1
-    seg_T = segment_ids(cu_seqlens, T)
-    is_anchor_T = positions_from_cu_seqlens(cu_seqlens, T) == 0
-    z = z_TD.float()
     r = params.readout_attention
-    w_2D = r.weight.float().reshape(2, D)
-    anchor_SD = z.index_select(0, cu_seqlens[:-1].long())
-    s_T = z @ w_2D[1] + (anchor_SD @ w_2D[0]).index_select(0, seg_T)
-    if r.bias is not None:
-        s_T = s_T + r.bias.float()
-    s_T = s_T.masked_fill(is_anchor_T, float("-inf"))
-    m_S = torch.full((S,), float("-inf"), device=z.device).scatter_reduce(
-        0, seg_T, s_T.detach(), reduce="amax", include_self=True
-    )
-    m_S = torch.where(torch.isfinite(m_S), m_S, torch.zeros_like(m_S))  # anchor-only sequences
-    e_T = torch.exp(s_T - m_S.index_select(0, seg_T))  # 0 at anchors
-    den_S = torch.zeros(S, device=z.device).index_add(0, seg_T, e_T)
-    w_T = e_T / den_S.clamp_min(torch.finfo(torch.float32).tiny).index_select(0, seg_T)
-    agg_SD = torch.zeros(S, D, device=z.device).index_add(0, seg_T, w_T[:, None] * z)
-    return (anchor_SD + agg_SD).to(z_TD.dtype)
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return get_ops(backend, z_TD.device).graph_readout(z_TD, r.weight, r.bias, cu_seqlens, max_seqlen)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -283,21 +331,27 @@ def encode(
 
     layers = params.encoder_layers
     last_anchor_only = cfg.readout_mode == "anchor_only" and not return_tokens and len(layers) > 0
+    delta_TD, resid_TD = None, h_TD
     for p in layers[: len(layers) - int(last_anchor_only)]:
-        h_TD = layer(p, h_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops)
-    fnorm = params.final_norm
+        delta_TD, resid_TD = layer(p, delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops)
+    fnorm, eps = params.final_norm, cfg.norm_eps
     if last_anchor_only:
-        h_SD = layer(layers[-1], h_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops, anchors_only=True)
-        out_SD = ops.layer_norm(h_SD, fnorm.weight, fnorm.bias, cfg.norm_eps)
+        delta_SD, resid_SD = layer(layers[-1], delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops,
+                                   anchors_only=True)
+        out_SD = ops.add_layer_norm(delta_SD, resid_SD, fnorm.weight, fnorm.bias, eps)[0]
         z_TD = None
     else:
-        z_TD = ops.layer_norm(h_TD, fnorm.weight, fnorm.bias, cfg.norm_eps)
+        if delta_TD is None:  # no layers
+            z_TD = ops.layer_norm(resid_TD, fnorm.weight, fnorm.bias, eps)
+        else:
+            z_TD = ops.add_layer_norm(delta_TD, resid_TD, fnorm.weight, fnorm.bias, eps)[0]
         if cfg.readout_mode == "anchor_only":
             out_SD = z_TD.index_select(0, cu_seqlens[:-1].long())
         else:
-            out_SD = readout(params, z_TD, cu_seqlens)
+            r = params.readout_attention
+            out_SD = ops.graph_readout(z_TD, r.weight, r.bias, cu_seqlens, max_seqlen)
     o = params.output_projection
     out_SO = ops.linear(out_SD, o.weight, o.bias)
     if cfg.should_l2_normalize_embedding_layer_output:
-        out_SO = Fn.normalize(out_SO.float(), p=2.0, dim=-1).to(out_SO.dtype)
+        out_SO = F.normalize(out_SO.float(), p=2.0, dim=-1).to(out_SO.dtype)
     return (out_SO, z_TD) if return_tokens else out_SO
