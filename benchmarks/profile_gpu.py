@@ -87,12 +87,12 @@ def deberta_kernel(dev):
         flops = 4 * H * K * float(((cu[1:] - cu[:-1]).double() ** 2).sum())
         args = (q, k, v, cu, L, pk, pq, cfg.position_buckets, cfg.max_relative, cfg.scale)
         for nw, ns, st in ((4, 4, 2), (4, 4, 3), (4, 4, 4), (4, 2, 3)):
-            da.NUM_WARPS, da.SATURATED_TILE, da.NUM_STAGES = nw, ns, st
+            da.NUM_WARPS, da.SATURATED_TILE, da.SATURATED_TILE_SHORT, da.NUM_STAGES = nw, ns, ns, st
             f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
             f()
             ms = _events(f)
             rows.append((name, f"fwd w{nw} ns{ns} st{st}", ms, flops / ms / 1e9))
-        da.NUM_WARPS, da.SATURATED_TILE, da.NUM_STAGES = 4, 4, 2
+        da.NUM_WARPS, da.SATURATED_TILE, da.SATURATED_TILE_SHORT, da.NUM_STAGES = 4, 4, 2, 3
         o, lse = da.deberta_attention_fwd(*args)
         do = torch.randn_like(o)
         for nw, st in ((4, 2), (4, 3), (8, 3)):
@@ -101,7 +101,7 @@ def deberta_kernel(dev):
             f()
             ms = _events(f)
             rows.append((name, f"bwd w{nw} st{st}", ms, 2.5 * flops / ms / 1e9))
-        db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = 4, 2
+        db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = 4, 3
         fa = lambda: ops.varlen_attention(q, k, v, cu, L, scale=cfg.scale)  # noqa: E731
         try:
             fa()

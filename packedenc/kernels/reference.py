@@ -109,11 +109,13 @@ def activation(x: Tensor, act: str) -> Tensor:
     return _ACTS[check_activation(act)](x.float()).to(x.dtype)
 
 
-def glu(u_T2F: Tensor, act: str = "gelu") -> Tensor:
+def glu(u_T2F: Tensor, act: str = "gelu", overwrite_input: bool = False) -> Tensor:
     """act(u[:, :F]) * u[:, F:] (ModernBERT GeGLU: the FIRST half is activated, the second gates).
 
     fp32 math, one rounding. HF eager in bf16 rounds act(.) before the product (two roundings);
-    the difference is at most one ulp per element.
+    the difference is at most one ulp per element. `overwrite_input`: the caller no longer needs
+    u, so an implementation may write the result into u's first half and return that (T, F) view
+    (the Triton one does in eager inference); ignored here.
     """
     a, g = u_T2F.float().chunk(2, dim=-1)
     return (_ACTS[check_activation(act)](a) * g).to(u_T2F.dtype)
@@ -126,7 +128,8 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None
 
 
 def rotary(
-    qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0, with_v: bool = False
+    qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0, with_v: bool = False,
+    overwrite_input: bool = False,
 ) -> tuple[Tensor, ...]:
     """Split-half (GPT-NeoX) RoPE on q and k, read straight from the fused Wqkv output.
 
@@ -136,6 +139,9 @@ def rotary(
         theta: RoPE base for this layer type. scaling: HF's `attention_scaling` (1.0 for default RoPE).
         with_v: also return v_THK = qkv[:, 2] (kernels hand it over as its own tensor in training,
             so the attention's saved q, k, v do not keep the whole qkv alive).
+        overwrite_input: the caller no longer needs qkv, so an implementation may rotate it in
+            place and return views of it (the Triton one does in eager inference, saving two
+            (T, H, K) buffers; here it is ignored).
     Return:
         q_THK, k_THK: (T, H, K) contiguous, in qkv's dtype. As transformers 5.x: cos/sin computed
         in fp32 and rounded to the activation dtype, rotation in fp32, one final rounding.

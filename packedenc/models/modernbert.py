@@ -271,8 +271,9 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
         h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
     # positions restart per sequence; v comes back as its own tensor when training (see
-    # kernels/triton/rotary.py), so the attention's saved q, k, v do not pin the whole qkv too
-    q_THK, k_THK, v_THK = ops.rotary(qkv_T3HK, positions_T, theta, with_v=True)
+    # kernels/triton/rotary.py), so the attention's saved q, k, v do not pin the whole qkv too.
+    # qkv and u below are this layer's own temporaries: kernels may overwrite them in inference.
+    q_THK, k_THK, v_THK = ops.rotary(qkv_T3HK, positions_T, theta, with_v=True, overwrite_input=True)
     attn_drop = attention_dropout(cfg.attention_dropout, "attention_dropout", ops, seed, i)
     o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=window, **attn_drop)
     a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
@@ -280,7 +281,7 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
 
     h_TD, residual_TD = ops.add_layer_norm(a_TD, residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps)
     u_T2F = ops.linear(h_TD, p.mlp.wi.weight, p.mlp.wi.bias)  # (T, 2F): input half | gate half
-    g_TF = dropout(ops.glu(u_T2F, cfg.hidden_activation), cfg.mlp_dropout, seed, i, 2)
+    g_TF = dropout(ops.glu(u_T2F, cfg.hidden_activation, overwrite_input=True), cfg.mlp_dropout, seed, i, 2)
     return ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias), residual_TD
 
 

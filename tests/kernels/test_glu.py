@@ -69,3 +69,20 @@ def test_gpu_glu(dtype, act):
     ops.glu(leaf, act).backward(d)
     assert_close_to_ref(leaf.grad, reference_bwd.glu_bwd(d.float(), u.float(), act),
                         reference_bwd.glu_bwd(d, u, act), atol=atol, what=f"d{act}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_glu_overwrite_input_writes_the_first_half_in_eager_inference(dtype, monkeypatch):
+    monkeypatch.setattr(G, "direct_launch", lambda *ts: True)  # the eager CUDA inference branch
+    F = 40
+    u = (torch.randn(T_CPU, 2 * F) * 2).to(DEVICE, dtype)
+    want = G.glu_fwd(u, "gelu")
+    kept = u.clone()
+    assert torch.equal(G.glu(kept, "gelu"), want) and torch.equal(kept, u)  # default: input untouched
+    gate = u[:, F:].clone()
+    out = G.glu(u, "gelu", overwrite_input=True)
+    assert out.shape == (T_CPU, F) and out.data_ptr() == u.data_ptr() and out.stride(0) == 2 * F
+    assert torch.equal(out, want) and torch.equal(u[:, F:], gate)
+    # the strided view feeds a GEMM like a contiguous one
+    w = torch.randn(8, F).to(DEVICE, dtype)
+    torch.testing.assert_close(torch.nn.functional.linear(out, w), torch.nn.functional.linear(want, w))

@@ -152,3 +152,19 @@ def test_rotary_qkv_op_opcheck_autograd_and_compile():
     with torch.no_grad():
         q, k, v = RO.rotary(qkv, pos, 10000.0, with_v=True)
     assert v.data_ptr() == qkv[:, 2].data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_overwrite_input_rotates_in_place_in_eager_inference(dtype, monkeypatch):
+    # the in-place path is taken on eager CUDA inference; force that branch here (interpreter)
+    monkeypatch.setattr(RO, "direct_launch", lambda *ts: True)
+    qkv, pos = _qkv(T_CPU, 3, 16, dtype), positions(CPU_LENGTHS)
+    want_q, want_k = RO.rotary_fwd(qkv, pos, 10000.0)
+    v0 = qkv[:, 2].clone()
+    kept = qkv.clone()
+    q, k, v = RO.rotary(kept, pos, 10000.0, with_v=True)  # default: the input is left alone
+    assert torch.equal(kept, qkv) and torch.equal(q, want_q) and torch.equal(k, want_k)
+    q, k, v = RO.rotary(qkv, pos, 10000.0, with_v=True, overwrite_input=True)
+    assert q.data_ptr() == qkv.data_ptr() and v.data_ptr() == qkv[:, 2].data_ptr()  # views, no new buffers
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, v0)
+    assert torch.equal(qkv[:, 0], want_q)  # the input now holds the rotated q

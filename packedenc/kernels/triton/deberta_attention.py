@@ -296,8 +296,11 @@ def _fwd_kernel(
 # Module-level so a benchmark sweep can override them.
 BLOCK_MAX = 32
 NUM_WARPS = 4  # H200, Triton 3.6: 4 warps run the 32-row tiles 2x faster than 8 (benchmarks/NOTES.md)
-NUM_STAGES = 2
-SATURATED_TILE = 4  # key rows of a saturated tile, in units of BLOCK
+NUM_STAGES = 3  # H200: 3 stages 2-7% faster than 2 (benchmarks/NOTES.md, profile_gpu)
+# Key rows of a saturated tile, in units of BLOCK: 4 pays on long sequences (8192: 2.82 vs 3.11
+# ms), 2 on document packs (doc1k: 0.43 vs 0.51 ms), where saturated key ranges are short.
+SATURATED_TILE = 4
+SATURATED_TILE_SHORT, SHORT_MAX_SEQLEN = 2, 2048
 
 
 def block_size(max_seqlen: int) -> int:
@@ -373,7 +376,8 @@ def deberta_attention_fwd(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
             half, *bounds, scale * LOG2E,
-            HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, NS=SATURATED_TILE * BLOCK,
+            HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
+            NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * BLOCK,
             C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
             **launch_config(BLOCK, Kd),
         )

@@ -299,7 +299,7 @@ def _bwd_dkdv_kernel(
 BLOCK_MAX_BWD = 32  # tile rows (sm_90 compile: 32-row tiles, 8 warps spill <= 184 bytes at K = 128)
 NUM_WARPS_BWD = 4  # H200: 4 warps 1.3-1.7x faster than 8 at K = 64 despite <= 200 bytes of dK/dV spills;
 # K = 128 keeps 8 (4 would spill ~1 KB per thread)
-NUM_STAGES_BWD = 2
+NUM_STAGES_BWD = 3  # H200: ~2% faster than 2
 
 
 def deberta_attention_bwd(

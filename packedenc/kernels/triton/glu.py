@@ -132,20 +132,23 @@ def _code(act: str) -> int:
     return ACT_CODES[reference.check_activation(act)]
 
 
-def glu_fwd(u_T2F: Tensor, act: str = "gelu") -> Tensor:
-    """Launch the forward: (…, 2F) -> (…, F)."""
+def glu_fwd(u_T2F: Tensor, act: str = "gelu", in_place: bool = False) -> Tensor:
+    """Launch the forward: (…, 2F) -> (…, F); `in_place` writes into u's first half (a strided view)."""
     check_float("glu", u_T2F)
     code = _code(act)
     u = rows(u_T2F)
     T, F2 = u.shape
     assert F2 % 2 == 0, "glu: the last dim must be even (input half | gate half)"
     F = F2 // 2
-    out = torch.empty((T, F), dtype=u.dtype, device=u.device)
+    if in_place and u.data_ptr() == u_T2F.data_ptr() and u_T2F.dim() == 2:
+        out = u[:, :F]  # each program loads its u elements before it stores over them
+    else:
+        out = torch.empty((T, F), dtype=u.dtype, device=u.device)
     if T:
         grid, BLOCK_T, BLOCK_F, num_warps = _tile(T, F)
         _glu_fwd_kernel[grid](u, out, T, F, u.stride(0), out.stride(0),
                               ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=num_warps)
-    return out.view(*u_T2F.shape[:-1], F)
+    return out if out.dim() == u_T2F.dim() else out.view(*u_T2F.shape[:-1], F)
 
 
 def glu_bwd(dout_TF: Tensor, u_T2F: Tensor, act: str = "gelu") -> Tensor:
@@ -207,15 +210,17 @@ def _backward(ctx, dout):
 _glu.register_autograd(_backward, setup_context=_setup)
 
 
-def glu(u_T2F: Tensor, act: str = "gelu") -> Tensor:
+def glu(u_T2F: Tensor, act: str = "gelu", overwrite_input: bool = False) -> Tensor:
     """act(u[:, :F]) * u[:, F:], fp32 math, one rounding; see `reference.glu`.
 
     Arguments:
         u_T2F: (T, 2F) the Wi output, input half then gate half. act: an HF activation name.
+        overwrite_input: the caller no longer needs u: eager inference then writes the result
+            into u's first half and returns that (T, F) view (row stride 2F), one buffer fewer.
     Return:
         (T, F) in u's dtype. An unknown `act` raises ConfigError.
     """
     if direct_launch(u_T2F):
-        return glu_fwd(u_T2F, act)
+        return glu_fwd(u_T2F, act, in_place=overwrite_input)
     _code(act)
     return torch.ops.packedenc.glu(u_T2F, act)

@@ -260,13 +260,21 @@ _rotary_qkv.register_autograd(_qkv_backward, setup_context=_setup)
 
 
 def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0,
-           with_v: bool = False) -> tuple[Tensor, ...]:
+           with_v: bool = False, overwrite_input: bool = False) -> tuple[Tensor, ...]:
     """RoPE on q and k of the fused (T, 3, H, K) Wqkv output; see `reference.rotary`.
 
     Return: q_THK, k_THK contiguous in qkv's dtype; with `with_v`, also v_THK: its own contiguous
     copy when a gradient is needed (see the module docstring), else the view qkv[:, 2].
+    With `overwrite_input` in eager inference, q and k are rotated in place inside qkv and all
+    three come back as (T, H, K) views of it (head dim contiguous): two (T, H, K) buffers fewer.
+    Each program loads its elements before it stores them, so the in-place rotation is exact.
     """
     if not with_v or not (torch.is_grad_enabled() and qkv_T3HK.requires_grad):
+        if overwrite_input and direct_launch(qkv_T3HK) and qkv_T3HK.stride(-1) == 1:
+            check_float("rotary", qkv_T3HK)
+            q, k = qkv_T3HK[:, 0], qkv_T3HK[:, 1]
+            _launch(q, k, q, k, positions_T, theta, scaling, 1)
+            return (q, k, qkv_T3HK[:, 2]) if with_v else (q, k)
         if direct_launch(qkv_T3HK):
             q, k = rotary_fwd(qkv_T3HK, positions_T, theta, scaling)
         else:
