@@ -394,7 +394,9 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
             `fn(ids, cu_seqlens, max_seqlen, positions) -> (T, ...)`, e.g.
             `functools.partial(my_family.encode, params)`. Params are captured by reference:
             a new params tree needs a new graphed object.
-        max_tokens, max_seqs: the budget; a bigger batch raises InputError.
+        max_tokens, max_seqs: the budget; a bigger batch raises InputError. The graphs hold
+            about one eager batch of max_tokens tokens of activations (the first capture runs
+            one to size their memory pool), so pick a budget near your largest batch.
         backend: op backend for a params target (ignored for callables: bind it yourself).
         device: where the graphs live; default the params' device (or the current CUDA device).
         token_buckets, seq_buckets: increasing ints; default ~8 token buckets per doubling from
