@@ -14,7 +14,7 @@ Systems (same params, same batches, one process):
 - packedenc: `packedenc.encode(params, x, cu_seqlens, max_seqlen)` with backend="auto".
 - packedenc[...] (bf16 workloads only): the same with one choice switched, to see what it is
   worth: `attn=efficient` / `attn=flash` (the graph_attention core of bf16 full layers, default
-  "triton"), `keep-ffn-act` (the FFN keeps act(u) for the backward instead of recomputing it).
+  "triton"), `recompute-ffn-act` (the FFN keeps only u for the backward and recomputes act(u)).
 Workloads: fwd-fp32, fwd-bf16, train-fp32, train-bf16 (forward + backward to every params leaf).
 Params and inputs are cast to the workload dtype (no autocast), as GiGL users run fp32.
 Then (unless --no-parts) each attention core and the readout alone on the first batch (device
@@ -207,7 +207,7 @@ SYSTEMS: dict[str, Callable[[Any, dict[str, Any]], Tensor]] = {
     "packedenc": packedenc_encode,
     "packedenc[attn=efficient]": packedenc_variant(LOWP_CORE="efficient"),
     "packedenc[attn=flash]": packedenc_variant(LOWP_CORE="flash"),
-    "packedenc[keep-ffn-act]": packedenc_variant(RECOMPUTE_FFN_ACTIVATION=False),
+    "packedenc[recompute-ffn-act]": packedenc_variant(RECOMPUTE_FFN_ACTIVATION=True),
 }
 LOWP_ONLY = {name for name in SYSTEMS if name.startswith("packedenc[")}  # bf16 workloads only
 

@@ -20,9 +20,9 @@ def test_padded_and_packedenc_systems_agree_and_variants_restore_their_switches(
     for b, keep in zip(batches, bare):
         ref = G.padded_sdpa(params, {**keep, **{k: b[k] for k in G.inputs_of("padded-sdpa")}})
         b = {**keep, **{k: b[k] for k in G.inputs_of("packedenc")}}
-        for name in ("packedenc", "packedenc[attn=efficient]", "packedenc[keep-ffn-act]"):
+        for name in ("packedenc", "packedenc[attn=efficient]", "packedenc[recompute-ffn-act]"):
             torch.testing.assert_close(G.SYSTEMS[name](params, b), ref, atol=1e-5, rtol=1e-5, msg=name)
-    assert GA.LOWP_CORE == "triton" and FW.RECOMPUTE_FFN_ACTIVATION is True
+    assert GA.LOWP_CORE == "triton" and FW.RECOMPUTE_FFN_ACTIVATION is False
 
     seen = {}
 
@@ -32,13 +32,13 @@ def test_padded_and_packedenc_systems_agree_and_variants_restore_their_switches(
 
     old, G.packedenc_encode = G.packedenc_encode, spy
     try:
-        G.packedenc_variant(LOWP_CORE="flash", RECOMPUTE_FFN_ACTIVATION=False)(params, batches[0])
+        G.packedenc_variant(LOWP_CORE="flash", RECOMPUTE_FFN_ACTIVATION=True)(params, batches[0])
     except RuntimeError:
         pass
     finally:
         G.packedenc_encode = old
-    assert seen == {"core": "flash", "recompute": False}  # switched during the call ...
-    assert GA.LOWP_CORE == "triton" and FW.RECOMPUTE_FFN_ACTIVATION is True  # ... restored after a failure
+    assert seen == {"core": "flash", "recompute": True}  # switched during the call ...
+    assert GA.LOWP_CORE == "triton" and FW.RECOMPUTE_FFN_ACTIVATION is False  # ... restored after a failure
 
 
 def test_verdicts_read_the_records():

@@ -265,6 +265,7 @@ def test_ffn_activation_recompute_keeps_gradients_and_saves_memory(name, monkeyp
         out = encode(p, x, cu, **kw, backend="reference")
         return torch.autograd.grad(out.square().sum(), leaves)
 
+    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", True)
     with_recompute = grads()
     saved_recompute = _saved_numel(lambda: encode(p, x, cu, **kw, backend="reference"))
     monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", False)

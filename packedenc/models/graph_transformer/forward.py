@@ -44,10 +44,12 @@ __all__ = ["encode", "project_nodes", "layer", "readout"]
 # the statistics (exactly GiGL's `x = x + f(x)` then `norm(x)`) and returns that sum as the new
 # residual: one fused kernel (and one fused backward) instead of an add and a norm.
 
-# Keep only the FFN's pre-activation for the backward and recompute act(u) there (one elementwise
-# pass over u) instead of also keeping act(u): (T, F) fewer saved elements per layer, 1/4 of a
-# layer's activation memory at ratio 4. Autograd only (torch.func / torch.compile keep both).
-RECOMPUTE_FFN_ACTIVATION = True
+# True: keep only the FFN's pre-activation for the backward and recompute act(u) there (one
+# elementwise pass over u) instead of also keeping act(u): (T, F) fewer saved elements per layer,
+# 1/4 of a layer's activation memory at ratio 4. Autograd only (torch.func / torch.compile keep
+# both). Off by default: on an H200 (issue-6 train-bf16, commit 20ecc8f) keeping act(u) trained at
+# 5.41M vs 5.18M tok/s for 6.26 vs 5.79 GB, both well under half the padded model's 15.7 GB.
+RECOMPUTE_FFN_ACTIVATION = False
 
 
 def _qkv_weights(p: EncoderLayer) -> tuple[Tensor, Tensor | None]:
