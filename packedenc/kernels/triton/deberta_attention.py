@@ -9,23 +9,26 @@ slot(d) = clamp(bucket(d) + span, 0, R - 1); c2p and p2c read the same slot (buc
 
 `_fwd_kernel`: one program per (query block, head, sequence), looping over the key blocks of its
 own sequence with an online softmax (exp2, fp32 statistics), so no (L, L) or (L, R) tensor ever
-exists in device memory. For a (M, N) tile, i - j takes the M + N - 1 values
-d0 + u, u = m - n + N - 1 in [0, W - 1), d0 = i0 - j0 - (N - 1). So per tile the kernel
-  - reads the W slots of those distances from a 1-D table (`slot_table`),
-  - gathers the W rows of PK and PQ at those slots (L2-resident: R * H * K elements per layer),
-  - computes the two band GEMMs  C = q @ PK_w^T (M, W) and P = PQ_w @ k^T (W, N)  in fp32,
-  - picks C[m, m - n + N - 1] and P[m - n + N - 1, n] with `tl.gather` (a register/shared-memory
-    shuffle, no global traffic).
-When the tile's smallest and largest distance share one slot (the saturated ends, |d| beyond
-~max_relative_positions: most tiles of a long sequence), both terms are rank-1: q . PK[slot] per
-row plus k . PQ[slot] per column, no band GEMM. Cost of a banded tile (M = N = B): 2B^2K (q k^T)
-+ 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, i.e. 3x plain flash attention; bytes: K and V tiles
-(2BK elements) plus 2 x 2BK gathered table rows from L2 and 2B int32 slots.
+exists in device memory. Slots are non-decreasing in d and constant beyond the bucket range
+(`deberta_slots.saturation`: d >= D_HI has SLOT_MAX, d <= D_LO has SLOT_MIN), so a query block's
+keys fall in three ranges, in sequence order:
+  - far behind (every d >= D_HI) and far ahead (every d <= D_LO): one slot for every pair, so
+    q.k + q.PK[s] + k.PQ[s] = (q + PQ[s]) . (k + PK[s]) - PQ[s].PK[s]: q + PQ[s] is formed once
+    per program, k + PK[s] is one add per key tile, and the tile is a plain flash tile (NS keys,
+    `SATURATED_TILE` x BLOCK). Most tiles of a long sequence are such tiles.
+  - the band in between, in (BLOCK, BLOCK) tiles: i - j takes the M + N - 1 values d0 + u,
+    u = m - n + N - 1 in [0, W - 1), d0 = i0 - j0 - (N - 1); the kernel reads the W slots of those
+    distances from the table, gathers the W rows of PK and PQ at those slots (L2-resident),
+    computes the band GEMMs C = q @ PK_w^T (M, W) and P = PQ_w @ k^T (W, N) in fp32 and picks
+    C[m, m - n + N - 1] and P[m - n + N - 1, n] with `tl.gather`. Cost of a band tile (M = N = B):
+    2B^2K (q k^T) + 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, 3x a flash tile; sequences of
+    <= ~2 x max_relative_positions tokens are all band (where DisentangledFlash still wins).
+The fold rounds q + PQ and k + PK to the input dtype once: the same order of error as storing q
+and k in that dtype.
 
-The slot table is built once per (buckets, max_relative_positions, R, device) on the CPU with
-`reference.log_bucket_position`, op for op HF's `make_log_bucket_position` (float32 CPU math, so
-the exact float ties at |d| = max_relative_positions - 1 etc. land where HF's CPU build puts them),
-for every |d| <= max(8192, next_pow2(max_seqlen)); the kernel only ever looks slots up.
+The slot table (`deberta_slots.py`) is built once per (buckets, max_relative_positions, R,
+device) on the CPU, op for op HF's `make_log_bucket_position`, for every |d| <=
+max(8192, next_pow2(max_seqlen)); the kernels only ever look slots up.
 
 The backward (`deberta_attention_bwd.py`) recomputes the tiles the same way.
 """
@@ -39,99 +42,13 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import check_float, direct_launch
+# the relative-position slot table, built once per config and device, looked up by `_slot`
+from packedenc.kernels.triton.deberta_slots import NO_SATURATION, _slot, saturation, slot_table, table_slots
 
 __all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config",
            "seq_chunks"]
 
 LOG2E = 1.4426950408889634
-MIN_TABLE_HALF = 8192  # one table serves every max_seqlen <= 8192 (built once, before any graph capture)
-
-
-# ---- the slot table ----------------------------------------------------------------------------
-
-
-def _build_slots(position_buckets: int, max_relative_positions: int, R: int, half: int) -> Tensor:
-    """(2 * half + 1,) int32 CPU: SLOT[d + half] = clamp(r(d) + R // 2, 0, R - 1), HF's r, for |d| <= half."""
-    d = torch.arange(-half, half + 1, dtype=torch.long)
-    if position_buckets > 0 and max_relative_positions > 0:
-        d = reference.log_bucket_position(d, position_buckets, max_relative_positions).long()
-    slots = torch.clamp(d + R // 2, 0, R - 1).to(torch.int32)
-    # The kernel's rank-1 shortcut needs slots non-decreasing in d (true of HF's buckets).
-    assert bool((slots[1:] >= slots[:-1]).all()), (position_buckets, max_relative_positions)
-    return slots
-
-
-_TABLES: dict[tuple, Tensor] = {}
-
-
-def slot_table(position_buckets: int, max_relative_positions: int, R: int, max_seqlen: int,
-               device: torch.device) -> tuple[Tensor, int]:
-    """(table, half): the int32 slot of every distance |d| <= half on `device`, cached.
-
-    half = max(8192, next_pow2(max_seqlen)) >= max_seqlen - 1, so every pair of a sequence is in
-    range (the kernel clamps only distances of masked tile tails). Built on the CPU (the float ties
-    of the log buckets then match HF's CPU build exactly) and copied once, so it must exist before
-    a CUDA-graph capture (a host copy cannot be captured): the eager warm-up builds it.
-    """
-    half = max(MIN_TABLE_HALF, triton.next_power_of_2(max(int(max_seqlen), 1)))
-    key = (int(position_buckets), int(max_relative_positions), int(R), half, device)
-    table = _TABLES.get(key)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "deberta_attention: the relative-position slot table for "
-                f"(position_buckets={position_buckets}, max_relative_positions={max_relative_positions}, "
-                f"max_seqlen<={half}) is built on the first eager call; run one eager forward (warm-up) "
-                "before capturing a CUDA graph"
-            )
-        table = _TABLES[key] = _build_slots(position_buckets, max_relative_positions, R, half).to(device)
-    return table, half
-
-
-_BOUNDS: dict[tuple, tuple[int, int, int, int]] = {}
-NO_SATURATION = 1 << 29  # |d| bound that no packed pair reaches: the "no position terms" bounds
-
-
-def saturation(position_buckets: int, max_relative_positions: int, R: int, max_seqlen: int,
-               device: torch.device) -> tuple[int, int, int, int]:
-    """(d_lo, d_hi, slot_min, slot_max): every d <= d_lo has slot_min and every d >= d_hi slot_max.
-
-    Slots are non-decreasing in d, so beyond those distances the c2p / p2c terms of a tile are
-    one table row each, and the forward folds them into q and k (see `_fwd_kernel`).
-    """
-    table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, device)
-    key = (int(position_buckets), int(max_relative_positions), int(R), half)
-    out = _BOUNDS.get(key)
-    if out is None:
-        cpu = _build_slots(position_buckets, max_relative_positions, R, half)
-        lo, hi = int(cpu[0]), int(cpu[-1])
-        d_lo = int((cpu == lo).nonzero().max()) - half
-        d_hi = int((cpu == hi).nonzero().min()) - half
-        out = _BOUNDS[key] = (d_lo, d_hi, lo, hi)
-    return out
-
-
-@triton.jit
-def _slot(SLOT, d, half):
-    """Slot of distance(s) d: the table lookup every kernel uses (d clamped to the table)."""
-    return tl.load(SLOT + (tl.minimum(tl.maximum(d, -half), half) + half))
-
-
-@triton.jit
-def _slots_kernel(SLOT, D, OUT, n, half, BLOCK: tl.constexpr):
-    """Test hook: OUT[t] = _slot(D[t]), the same lookup as the attention kernels."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.load(D + t, mask=t < n, other=0)
-    tl.store(OUT + t, _slot(SLOT, d, half), mask=t < n)
-
-
-def table_slots(d: Tensor, position_buckets: int, max_relative_positions: int, R: int) -> Tensor:
-    """Slots of the int32 distances `d` as the kernels see them (through `_slot`), for tests."""
-    table, half = slot_table(position_buckets, max_relative_positions, R, int(d.abs().max()) + 1, d.device)
-    d = d.to(torch.int32).contiguous()
-    out = torch.empty_like(d)
-    _slots_kernel[(triton.cdiv(d.numel(), 1024),)](table, d, out, d.numel(), half, BLOCK=1024)
-    return out
 
 
 # ---- forward kernel ----------------------------------------------------------------------------
