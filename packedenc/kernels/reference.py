@@ -104,8 +104,11 @@ def check_activation(name: str) -> str:
     return name
 
 
-def activation(x: Tensor, act: str) -> Tensor:
-    """Elementwise activation by HF name, computed in fp32, one rounding."""
+def activation(x: Tensor, act: str, overwrite_input: bool = False) -> Tensor:
+    """Elementwise activation by HF name, computed in fp32, one rounding.
+
+    `overwrite_input`: the caller no longer needs x, so an implementation may write act(x) into
+    it and return it (the Triton one does in eager inference); ignored here."""
     return _ACTS[check_activation(act)](x.float()).to(x.dtype)
 
 

@@ -149,3 +149,19 @@ def test_gpu_activation_memory_compile_and_graph():
     static.copy_(x[512:1024])
     g.replay()
     assert torch.equal(out, y[512:1024])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_activation_overwrite_input_writes_over_x_in_eager_inference(dtype, monkeypatch):
+    monkeypatch.setattr(A, "direct_launch", lambda *ts: True)  # the eager CUDA inference branch
+    x = (torch.randn(T_CPU, 40) * 3).to(DEVICE, dtype)
+    want = A.activation_fwd(x, "gelu")
+    kept = x.clone()
+    assert torch.equal(A.activation(kept, "gelu"), want) and torch.equal(kept, x)  # default: input untouched
+    y = A.activation(x, "gelu", overwrite_input=True)
+    assert y.data_ptr() == x.data_ptr() and torch.equal(y, want) and torch.equal(x, want)
+    # a non-contiguous x is not overwritten (its contiguous copy is)
+    xt = (torch.randn(40, T_CPU) * 3).to(DEVICE, dtype).t()
+    before = xt.clone()
+    out = A.activation(xt, "gelu", overwrite_input=True)
+    assert torch.equal(xt, before) and torch.equal(out, A.activation_fwd(before, "gelu"))

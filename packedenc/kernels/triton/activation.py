@@ -62,9 +62,10 @@ def _act_bwd_kernel(
     tl.store(DX + offs, (dy * d).to(DX.dtype.element_ty), mask=mask)
 
 
-def _fwd(x: Tensor, code: int, block: int = BLOCK) -> Tensor:
+def _fwd(x: Tensor, code: int, block: int = BLOCK, in_place: bool = False) -> Tensor:
     xc = x.contiguous()  # a no-op for a linear layer's output, the usual input
-    y = torch.empty_like(xc)
+    # in place: each program loads its elements before it stores over them
+    y = xc if in_place and xc.data_ptr() == x.data_ptr() else torch.empty_like(xc)
     n = xc.numel()
     if n:
         _act_fwd_kernel[(triton.cdiv(n, block),)](xc, y, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
@@ -149,12 +150,14 @@ _activation.register_autograd(_backward, setup_context=_setup)
 # ---- the Ops-table entry: the reference signature ----------------------------------------------
 
 
-def activation(x: Tensor, act: str) -> Tensor:
+def activation(x: Tensor, act: str, overwrite_input: bool = False) -> Tensor:
     """Elementwise activation by HF name, fp32 math, one rounding; see `reference.activation`.
 
     Arguments:
         x: any shape, float16 / bfloat16 / float32 (usually a linear layer's (T, F) output).
         act: an HF activation name (`reference.ACTIVATIONS`).
+        overwrite_input: the caller no longer needs x: eager inference then writes act(x) into
+            x (when contiguous) and returns it, one (T, F) buffer fewer at the FFN's peak.
     Return:
         act(x) in x's dtype and shape. An unknown `act` raises ConfigError, a non-float `x`
         TypeError. "linear" returns x itself, as the reference does for fp32 (no kernel).
@@ -164,5 +167,5 @@ def activation(x: Tensor, act: str) -> Tensor:
     if act == "linear":
         return x
     if direct_launch(x):
-        return _fwd(x, code)
+        return _fwd(x, code, in_place=overwrite_input)
     return torch.ops.packedenc.activation(x, act)

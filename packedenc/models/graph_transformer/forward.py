@@ -97,7 +97,8 @@ def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops) -
     out = p.ffn.linear_out
     if RECOMPUTE_FFN_ACTIVATION and torch.is_grad_enabled() and u.requires_grad and _plain_autograd():
         return _ActLinear.apply(u, out.weight, out.bias, act, ops.linear)
-    return ops.linear(act(u), out.weight, out.bias)
+    # u is this call's own temporary: inference kernels may write act(u) over it
+    return ops.linear(act(u, overwrite_input=True), out.weight, out.bias)
 
 
 def _plain_autograd() -> bool:
