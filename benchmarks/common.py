@@ -209,6 +209,39 @@ def time_reps(run: Callable[[Any], Any], inputs: dict[int, Any], reps: list[list
     return out
 
 
+def median_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
+    """Median device time of one `fn()` call in ms (CUDA events, after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def host_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> tuple[float, float]:
+    """(median host enqueue ms, median enqueue + sync ms) of one eager `fn()` call: where the host
+    time exceeds the device time, a batch is host bound."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    enq, tot = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        enq.append(t1 - t0)
+        tot.append(time.perf_counter() - t0)
+    return statistics.median(enq) * 1e3, statistics.median(tot) * 1e3
+
+
 def reset_memory(device: torch.device) -> None:
     if device.type == "cuda":
         gc.collect()  # drop the previous system's tensors before releasing the cache

@@ -6,28 +6,13 @@ Shapes: T packed tokens, S sequences, H heads, K head dim, D width.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Callable
 
 import torch
 
+from benchmarks.common import median_ms
 from packedenc.kernels import graph_attention as GA
 from packedenc.kernels import reference
-
-
-def _median_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
 
 
 def attention_and_readout(b: dict[str, Any], H: int, K: int, dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
@@ -56,7 +41,7 @@ def attention_and_readout(b: dict[str, Any], H: int, K: int, dtype: torch.dtype 
 
     for core in GA.CORES:
         try:
-            f, t = _median_ms(fwd(core)), _median_ms(train(core))
+            f, t = median_ms(fwd(core)), median_ms(train(core))
             rows.append(dict(part="attention", impl=core, fwd_ms=f, train_ms=t,
                              fwd_tflops=flops_fwd / f / 1e9, train_tflops=3.5 * flops_fwd / t / 1e9))
         except Exception as e:  # noqa: BLE001 - a core that fails here is reported, not fatal
@@ -71,11 +56,11 @@ def attention_and_readout(b: dict[str, Any], H: int, K: int, dtype: torch.dtype 
     try:
         for tf in fwd_tiles:
             PA.TILE_FWD = tf
-            rows.append(dict(part="tile-fwd", impl=str(tf), fwd_ms=_median_ms(fwd("triton")), train_ms=float("nan")))
+            rows.append(dict(part="tile-fwd", impl=str(tf), fwd_ms=median_ms(fwd("triton")), train_ms=float("nan")))
         PA.TILE_FWD = default[0]
         for tb in bwd_tiles:
             PA.TILE_BWD = tb
-            rows.append(dict(part="tile-bwd", impl=str(tb), fwd_ms=float("nan"), train_ms=_median_ms(train("triton"))))
+            rows.append(dict(part="tile-bwd", impl=str(tb), fwd_ms=float("nan"), train_ms=median_ms(train("triton"))))
     except Exception as e:  # noqa: BLE001
         rows.append(dict(part="tiles", impl="triton", error=f"{type(e).__name__}: {e}"[:200]))
     finally:
@@ -95,7 +80,7 @@ def attention_and_readout(b: dict[str, Any], H: int, K: int, dtype: torch.dtype 
         def rt(fn=fn):
             torch.autograd.grad(fn(z, w, bias, cu, M), (z, w, bias), gout)
 
-        rows.append(dict(part="readout", impl=name, fwd_ms=_median_ms(rf), train_ms=_median_ms(rt)))
+        rows.append(dict(part="readout", impl=name, fwd_ms=median_ms(rf), train_ms=median_ms(rt)))
     return rows
 
 

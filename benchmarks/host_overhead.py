@@ -23,18 +23,7 @@ def main() -> None:
     packed = pe.pack(pe.unpack(b.ids, b.cu_seqlens), device=dev)
     run = lambda: pe.encode(params, packed.ids, packed.cu_seqlens, packed.max_seqlen, packed.positions)  # noqa: E731
     with torch.inference_mode():
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        enq, tot = [], []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            run()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            enq.append(t1 - t0)
-            tot.append(t2 - t0)
+        enq, tot = common.host_ms(run)
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -51,7 +40,7 @@ def main() -> None:
         torch.cuda.synchronize()
         dev_ms = (time.perf_counter() - t0) / 10 * 1e3
         print(f"{args.workload}: T={packed.num_tokens} S={packed.num_seqs} L={packed.max_seqlen}")
-        print(f"eager: enqueue {sorted(enq)[5]*1e3:.2f} ms, enqueue+sync {sorted(tot)[5]*1e3:.2f} ms; graph replay {dev_ms:.2f} ms")
+        print(f"eager: enqueue {enq:.2f} ms, enqueue+sync {tot:.2f} ms; graph replay {dev_ms:.2f} ms")
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -5,26 +5,12 @@ training step of each model. `python -m benchmarks.profile_gpu [--parts a b c]`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import packedenc as pe
 from benchmarks import common
-
-
-def _events(fn, n=10):
-    ts = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
 
 
 def _top(prof, key, n=18):
@@ -42,19 +28,9 @@ def deberta_host(dev):
         ids, cu = b.ids.to(dev), b.cu_seqlens.to(dev)
         run = lambda: pe.encode(params, ids, cu, b.max_seqlen)  # noqa: E731
         with torch.inference_mode():
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-            enq, tot = [], []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                run()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                enq.append(t1 - t0)
-                tot.append(time.perf_counter() - t0)
-            print(f"deberta {wname} batch0 T={ids.numel()} L={b.max_seqlen}: enqueue {statistics.median(enq)*1e3:.2f} ms,"
-                  f" total {statistics.median(tot)*1e3:.2f} ms", flush=True)
+            enq, tot = common.host_ms(run)
+            print(f"deberta {wname} batch0 T={ids.numel()} L={b.max_seqlen}: enqueue {enq:.2f} ms, total {tot:.2f} ms",
+                  flush=True)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run()
                 torch.cuda.synchronize()
@@ -90,7 +66,7 @@ def deberta_kernel(dev):
             da.NUM_WARPS, da.SATURATED_TILE, da.SATURATED_TILE_SHORT, da.NUM_STAGES = nw, ns, ns, st
             f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
             f()
-            ms = _events(f)
+            ms = common.median_ms(f)
             rows.append((name, f"fwd w{nw} ns{ns} st{st}", ms, flops / ms / 1e9))
         da.NUM_WARPS, da.SATURATED_TILE, da.SATURATED_TILE_SHORT, da.NUM_STAGES = 4, 4, 2, 3
         o, lse = da.deberta_attention_fwd(*args)
@@ -99,13 +75,13 @@ def deberta_kernel(dev):
             db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = nw, st
             f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
             f()
-            ms = _events(f)
+            ms = common.median_ms(f)
             rows.append((name, f"bwd w{nw} st{st}", ms, 2.5 * flops / ms / 1e9))
         db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = 4, 3
         fa = lambda: ops.varlen_attention(q, k, v, cu, L, scale=cfg.scale)  # noqa: E731
         try:
             fa()
-            ms = _events(fa)
+            ms = common.median_ms(fa)
             rows.append((name, "flash content-only fwd", ms, flops / ms / 1e9))
         except Exception as e:  # noqa: BLE001
             print("flash failed", e)
