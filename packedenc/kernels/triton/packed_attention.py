@@ -47,7 +47,7 @@ MAX_HEAD_DIM = 256
 # faster: issue-6 batch (T = 108,487), backward 1.41 ms on 4 warps vs 1.77 ms on 8 (`python3 -m
 # benchmarks.graph`, commit 20ecc8f): the next switch, once the GPU tests have run on 4 warps.
 TILE_FWD = (64, 32, 4, 2)
-TILE_BWD = (64, 32, 8, 2)
+TILE_BWD = (64, 32, 4, 2)
 
 
 @triton.jit
