@@ -78,6 +78,27 @@ def deberta_kernel(dev):
             ms = common.median_ms(f)
             rows.append((name, f"bwd w{nw} st{st}", ms, 2.5 * flops / ms / 1e9))
         db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = 4, 3
+        # Which position term costs what: c2p gathers along the tile's rows (warp-local), p2c
+        # along its columns; BLOCK_MAX sets the band tile (W = 2 x BLOCK distances).
+        for terms, (tk, tq) in {"c2p": (pk, None), "p2c": (None, pq), "none": (None, None)}.items():
+            a2 = (q, k, v, cu, L, tk, tq, *args[7:])
+            f = lambda: da.deberta_attention_fwd(*a2, store_lse=False)  # noqa: E731
+            f()
+            rows.append((name, f"fwd {terms} only", common.median_ms(f), flops / common.median_ms(f) / 1e9))
+            o2, lse2 = da.deberta_attention_fwd(*a2)
+            f = lambda: db.deberta_attention_bwd(do, q, k, v, o2, lse2, *a2[3:])  # noqa: E731
+            f()
+            rows.append((name, f"bwd {terms} only", common.median_ms(f), 2.5 * flops / common.median_ms(f) / 1e9))
+        for bm in (16, 64):
+            da.BLOCK_MAX = bm
+            f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
+            try:
+                f()
+                ms = common.median_ms(f)
+                rows.append((name, f"fwd BLOCK_MAX {bm}", ms, flops / ms / 1e9))
+            except Exception as e:  # noqa: BLE001
+                print(f"BLOCK_MAX {bm} failed: {type(e).__name__}: {str(e)[:200]}")
+        da.BLOCK_MAX = 32
         fa = lambda: ops.varlen_attention(q, k, v, cu, L, scale=cfg.scale)  # noqa: E731
         try:
             fa()
