@@ -62,43 +62,32 @@ def deberta_kernel(dev):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         flops = 4 * H * K * float(((cu[1:] - cu[:-1]).double() ** 2).sum())
         args = (q, k, v, cu, L, pk, pq, cfg.position_buckets, cfg.max_relative, cfg.scale)
-        for nw, ns, st in ((4, 4, 2), (4, 4, 3), (4, 4, 4), (4, 2, 3)):
-            da.NUM_WARPS, da.SATURATED_TILE, da.SATURATED_TILE_SHORT, da.NUM_STAGES = nw, ns, ns, st
+
+        def timed(label, f, mult=1.0):
+            ms = common.median_ms(f)
+            rows.append((name, label, ms, mult * flops / ms / 1e9))
+
+        for lowp in (True, False):  # band scores gathered in fp16 vs fp32 (`LOWP_GATHER`)
+            da.LOWP_GATHER = lowp
             f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
             f()
-            ms = common.median_ms(f)
-            rows.append((name, f"fwd w{nw} ns{ns} st{st}", ms, flops / ms / 1e9))
-        da.NUM_WARPS, da.SATURATED_TILE, da.SATURATED_TILE_SHORT, da.NUM_STAGES = 4, 4, 2, 3
-        o, lse = da.deberta_attention_fwd(*args)
-        do = torch.randn_like(o)
-        for nw, st in ((4, 2), (4, 3), (8, 3)):
-            db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = nw, st
+            timed(f"fwd lowp={int(lowp)}", f)
+            o, lse = da.deberta_attention_fwd(*args)
+            do = torch.randn_like(o)
             f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
             f()
-            ms = common.median_ms(f)
-            rows.append((name, f"bwd w{nw} st{st}", ms, 2.5 * flops / ms / 1e9))
-        db.NUM_WARPS_BWD, db.NUM_STAGES_BWD = 4, 3
-        # Which position term costs what: c2p gathers along the tile's rows (warp-local), p2c
-        # along its columns; BLOCK_MAX sets the band tile (W = 2 x BLOCK distances).
+            timed(f"bwd lowp={int(lowp)}", f, 2.5)
+        da.LOWP_GATHER = True
+        # Which position term costs what: c2p gathers along the tile's rows, p2c along its columns.
         for terms, (tk, tq) in {"c2p": (pk, None), "p2c": (None, pq), "none": (None, None)}.items():
             a2 = (q, k, v, cu, L, tk, tq, *args[7:])
             f = lambda: da.deberta_attention_fwd(*a2, store_lse=False)  # noqa: E731
             f()
-            rows.append((name, f"fwd {terms} only", common.median_ms(f), flops / common.median_ms(f) / 1e9))
+            timed(f"fwd {terms} only", f)
             o2, lse2 = da.deberta_attention_fwd(*a2)
             f = lambda: db.deberta_attention_bwd(do, q, k, v, o2, lse2, *a2[3:])  # noqa: E731
             f()
-            rows.append((name, f"bwd {terms} only", common.median_ms(f), 2.5 * flops / common.median_ms(f) / 1e9))
-        for bm in (16, 64):
-            da.BLOCK_MAX = bm
-            f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
-            try:
-                f()
-                ms = common.median_ms(f)
-                rows.append((name, f"fwd BLOCK_MAX {bm}", ms, flops / ms / 1e9))
-            except Exception as e:  # noqa: BLE001
-                print(f"BLOCK_MAX {bm} failed: {type(e).__name__}: {str(e)[:200]}")
-        da.BLOCK_MAX = 32
+            timed(f"bwd {terms} only", f, 2.5)
         fa = lambda: ops.varlen_attention(q, k, v, cu, L, scale=cfg.scale)  # noqa: E731
         try:
             fa()

@@ -384,7 +384,8 @@ p = "*bf16"
 ptrs = dict(Q=p, K=p, V=p, PK=p, PQ=p, SLOT="*i32", CU="*i32", O=p, LSE="*fp32", DO=p, DELTA="*fp32", DQ=p,
             DPK="*fp32", DK=p, DV=p, DPQ="*fp32")
 for fn, extra in ((DA._fwd_kernel, dict(STORE_LSE=True, NS=2 * DA.BLOCK_MAX)), (DB._bwd_dq_kernel, {}), (DB._bwd_dkdv_kernel, {})):
-    consts = dict(HEAD_DIM=64, BLOCK_K=64, BLOCK=DA.BLOCK_MAX, C2P=True, P2C=True, PREC="tf32", **extra)
+    consts = dict(HEAD_DIM=64, BLOCK_K=64, BLOCK=DA.BLOCK_MAX, C2P=True, P2C=True, PREC="tf32",
+                  LOWP=DA.LOWP_GATHER, **extra)
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a in ("qk_scale", "scale") else "i32")
            for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)

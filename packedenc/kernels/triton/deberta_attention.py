@@ -57,10 +57,13 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _pos_scores(s, q, k, PK, PQ, SLOT, i0, j0, half, hh,
                 s_pk_r, s_pq_r, offs_k, kmask, idx,
-                C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+                C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
+                LOWP: tl.constexpr):
     """s (M, N) fp32 plus the unscaled c2p and p2c terms of the tile (i0.., j0..).
 
-    PK / PQ point at head hh already (row stride s_*_r). idx[m, n] = m - n + N - 1.
+    PK / PQ point at head hh already (row stride s_*_r). idx[m, n] = m - n + N - 1. LOWP: the band
+    GEMM outputs are rounded to the input dtype before the gather (HF's c2p / p2c matmuls round
+    there too), which halves the shared-memory traffic of the gather.
     """
     d0 = i0 - j0 - (BLOCK - 1)
     slot_lo = _slot(SLOT, d0, half)
@@ -78,11 +81,17 @@ def _pos_scores(s, q, k, PK, PQ, SLOT, i0, j0, half, hh,
         if C2P:
             pkw = tl.load(PK + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
             c = tl.dot(q, tl.trans(pkw.to(q.dtype)), input_precision=PREC)  # (M, W)
-            s += tl.gather(c, idx, axis=1)
+            if LOWP:
+                s += tl.gather(c.to(q.dtype), idx, axis=1).to(tl.float32)
+            else:
+                s += tl.gather(c, idx, axis=1)
         if P2C:
             pqw = tl.load(PQ + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
             p = tl.dot(pqw.to(k.dtype), tl.trans(k), input_precision=PREC)  # (W, N)
-            s += tl.gather(p, idx, axis=0)
+            if LOWP:
+                s += tl.gather(p.to(k.dtype), idx, axis=0).to(tl.float32)
+            else:
+                s += tl.gather(p, idx, axis=0)
     return s
 
 
@@ -151,6 +160,7 @@ def _fwd_kernel(
     NS: tl.constexpr,  # key rows of a saturated tile (a multiple of BLOCK)
     C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr,
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
+    LOWP: tl.constexpr,  # band scores gathered in the input dtype (`_pos_scores`)
 ):
     pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + seq).to(tl.int64)
@@ -191,7 +201,7 @@ def _fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if C2P or P2C:
             s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
-                            C2P, P2C, BLOCK, PREC)
+                            C2P, P2C, BLOCK, PREC, LOWP)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
@@ -218,6 +228,9 @@ NUM_STAGES = 3  # H200: 3 stages 2-7% faster than 2 (benchmarks/NOTES.md, profil
 # ms), 2 on document packs (doc1k: 0.43 vs 0.51 ms), where saturated key ranges are short.
 SATURATED_TILE = 4
 SATURATED_TILE_SHORT, SHORT_MAX_SEQLEN = 2, 2048
+# Band c2p / p2c scores rounded to the input dtype (fp16 / bf16) before their gather, as HF's own
+# matmuls round them; fp32 inputs always gather in fp32.
+LOWP_GATHER = True
 
 
 def block_size(max_seqlen: int) -> int:
@@ -296,7 +309,7 @@ def deberta_attention_fwd(
             HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
             NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * BLOCK,
             C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
-            **launch_config(BLOCK, Kd),
+            LOWP=LOWP_GATHER and q.dtype != torch.float32, **launch_config(BLOCK, Kd),
         )
     return o, lse
 

@@ -13,7 +13,8 @@ tile scores exactly as the forward (same band GEMMs, same slot lookups) and re-e
 the forward's log-sum-exp. The band terms are the transposes of the forward's picks: a `tl.gather`
 scatters G into (M, W) / (W, N) band layout, one GEMM with the gathered table rows gives the
 dq / dk part, another the per-distance table gradient, which is added to the fp32 dPK / dPQ at
-its slot with `tl.atomic_add` (several distances share a slot, programs share slots). Rank-1
+its slot with `tl.atomic_add` (several distances share a slot, programs share slots; `sem="relaxed"`:
+the adds need no ordering with other memory, and Triton's default acq_rel fences each one). Rank-1
 tiles (one slot) add a row sum of G times the table row; their table gradient is summed in
 registers over a run of tiles with the same slot and added once per run.
 
@@ -32,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
+from packedenc.kernels.triton import deberta_attention as _fwd
 from packedenc.kernels.triton.deberta_attention import (
     LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, seq_chunks, slot_table,
 )
@@ -124,12 +126,13 @@ def reference_bwd(do, q, k, v, cu_seqlens, max_seqlen, pk, pq, position_buckets,
 @triton.jit
 def _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                     offs_k, kmask, idx, valid, qk_scale, scale,
-                    C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+                    C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
+                    LOWP: tl.constexpr):
     """(P, G) of a tile in fp32: the forward's probabilities and the score gradient, 0 off `valid`."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if C2P or P2C:
         s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
-                        C2P, P2C, BLOCK, PREC)
+                        C2P, P2C, BLOCK, PREC, LOWP)
     p = tl.where(valid, tl.exp2(s * qk_scale - lse[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     return p, p * (dp - delta[:, None]) * scale
@@ -145,7 +148,7 @@ def _bwd_dq_kernel(
     s_do_t, s_do_h, s_dq_t, s_dq_h, s_lse_t, s_dpk_r, s_dpk_h,
     half, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
-    C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr,
+    C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
     pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + seq).to(tl.int64)
@@ -183,7 +186,7 @@ def _bwd_dq_kernel(
         v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
         p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                                offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
-                               C2P, P2C, BLOCK, PREC)
+                               C2P, P2C, BLOCK, PREC, LOWP)
         dq += tl.dot(g.to(k.dtype), k, input_precision=PREC)
         if C2P:
             d0 = i0 - j0 - (BLOCK - 1)
@@ -195,21 +198,21 @@ def _bwd_dq_kernel(
                 if slot_lo != run_slot:
                     if run_slot >= 0:
                         tl.atomic_add(DPKh + run_slot.to(tl.int64) * s_dpk_r + offs_k,
-                                      tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+                                      tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
                     run_g = tl.zeros([BLOCK], tl.float32)
                     run_slot = slot_lo
                 run_g += g_m
             else:
                 slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
                 pkw = tl.load(PKh + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-                gc = tl.where(band_ok, tl.gather(g, band_n, axis=1), 0.0).to(q.dtype)  # (M, W)
+                gc = tl.where(band_ok, tl.gather(g.to(q.dtype), band_n, axis=1), 0.0)  # (M, W)
                 dq += tl.dot(gc, pkw.to(q.dtype), input_precision=PREC)
                 dpkw = tl.dot(tl.trans(gc), q, input_precision=PREC)  # (W, K)
-                tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :])
+                tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :], sem="relaxed")
     if C2P:
         if run_slot >= 0:
             tl.atomic_add(DPKh + run_slot.to(tl.int64) * s_dpk_r + offs_k,
-                          tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+                          tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
     tl.store(DQ + rows[:, None] * s_dq_t + hh * s_dq_h + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
 
 
@@ -222,7 +225,7 @@ def _bwd_dkdv_kernel(
     s_do_t, s_do_h, s_dk_t, s_dk_h, s_lse_t, s_dpq_r, s_dpq_h,
     half, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
-    C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr,
+    C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
     pid_n, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + seq).to(tl.int64)
@@ -261,7 +264,7 @@ def _bwd_dkdv_kernel(
         delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
         p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                                offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
-                               C2P, P2C, BLOCK, PREC)
+                               C2P, P2C, BLOCK, PREC, LOWP)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
         dk += tl.dot(tl.trans(g.to(q.dtype)), q, input_precision=PREC)
         if P2C:
@@ -274,21 +277,21 @@ def _bwd_dkdv_kernel(
                 if slot_lo != run_slot:
                     if run_slot >= 0:
                         tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
-                                      tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+                                      tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
                     run_g = tl.zeros([BLOCK], tl.float32)
                     run_slot = slot_lo
                 run_g += g_n
             else:
                 slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
                 pqw = tl.load(PQh + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-                gp = tl.where(band_ok, tl.gather(g, band_m, axis=0), 0.0).to(k.dtype)  # (W, N)
+                gp = tl.where(band_ok, tl.gather(g.to(k.dtype), band_m, axis=0), 0.0)  # (W, N)
                 dk += tl.dot(tl.trans(gp), pqw.to(k.dtype), input_precision=PREC)
                 dpqw = tl.dot(gp, k, input_precision=PREC)  # (W, K)
-                tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :])
+                tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :], sem="relaxed")
     if P2C:
         if run_slot >= 0:
             tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
-                          tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask)
+                          tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
     out = start + j0 + offs.to(tl.int64)
     tl.store(DK + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -331,7 +334,7 @@ def deberta_attention_bwd(
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
         meta = dict(HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, C2P=pos_key is not None, P2C=pos_query is not None,
-                    PREC=_prec(q.dtype), num_warps=NUM_WARPS_BWD if BLOCK > 16 and Kd <= 64 else 4 if BLOCK <= 16 else 8,
+                    PREC=_prec(q.dtype), LOWP=_fwd.LOWP_GATHER and q.dtype != torch.float32, num_warps=NUM_WARPS_BWD if BLOCK > 16 and Kd <= 64 else 4 if BLOCK <= 16 else 8,
                     num_stages=NUM_STAGES_BWD)
         dpk_ = dpk if dpk is not None else delta  # any fp32 pointer when the table is absent
         dpq_ = dpq if dpq is not None else delta
