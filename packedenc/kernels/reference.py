@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from packedenc.errors import ConfigError
+from packedenc.errors import ConfigError, InputError
 # DeBERTa's ops live in their own file; they are part of this module's namespace (the Ops table)
 from packedenc.kernels.reference_deberta import (
     deberta_attention, log_bucket_position, relative_positions, varlen_conv1d,
@@ -66,12 +66,35 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
 
 
 def add_layer_norm(
-    x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float
+    x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
+    x_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(LayerNorm(x + residual), x + residual). The sum is rounded to x's dtype *before* the
-    statistics, as two separate eager ops would do, and that rounded sum is the new residual."""
-    s_TD = x_TD + residual_TD
+    statistics, as two separate eager ops would do, and that rounded sum is the new residual.
+
+    `x_bias` (D,) in x's dtype, or None: the bias of the linear layer that produced x, moved here
+    (the GEMM runs without it) so that kernels get its gradient while they read the sum's. The sum
+    is then x + x_bias + residual, formed in fp32 in that order and rounded once."""
+    if x_bias is None:
+        s_TD = x_TD + residual_TD
+    else:
+        check_bias("add_layer_norm", x_bias, x_TD, "x_bias")
+        dtype = torch.promote_types(x_TD.dtype, residual_TD.dtype)
+        s_TD = (x_TD.float() + x_bias.float() + residual_TD.float()).to(dtype)
     return layer_norm(s_TD, weight, bias, eps), s_TD
+
+
+def check_bias(op: str, bias: Tensor, x: Tensor, name: str = "bias") -> None:
+    """A fused bias must be a (x.shape[-1],) tensor of x's dtype on x's device (InputError)."""
+    if not isinstance(bias, Tensor):
+        raise InputError(f"{op}: {name} must be a tensor or None, got {type(bias).__name__}")
+    if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
+        raise InputError(f"{op}: {name} must have shape ({x.shape[-1]},) (the last dim of x, "
+                         f"{tuple(x.shape)}), got {tuple(bias.shape)}")
+    if bias.dtype != x.dtype:
+        raise InputError(f"{op}: {name} is {bias.dtype} but x is {x.dtype}; cast it with .to({x.dtype})")
+    if bias.device != x.device:
+        raise InputError(f"{op}: {name} is on {bias.device} but x on {x.device}; move it there")
 
 
 def embed_layer_norm(
@@ -108,12 +131,19 @@ def check_activation(name: str) -> str:
     return name
 
 
-def activation(x: Tensor, act: str, overwrite_input: bool = False) -> Tensor:
-    """Elementwise activation by HF name, computed in fp32, one rounding.
+def activation(x: Tensor, act: str, overwrite_input: bool = False, bias: Tensor | None = None) -> Tensor:
+    """Elementwise activation by HF name, computed in fp32, one rounding: act(x) or act(x + bias).
 
-    `overwrite_input`: the caller no longer needs x, so an implementation may write act(x) into
-    it and return it (the Triton one does in eager inference); ignored here."""
-    return _ACTS[check_activation(act)](x.float()).to(x.dtype)
+    `overwrite_input`: the caller no longer needs x, so an implementation may write the result
+    into it and return it (the Triton one does in eager inference); ignored here.
+    `bias`: (F,) in x's dtype, broadcast over rows (F = x.shape[-1]), or None: the bias of the
+    linear layer that produced x, moved here so that kernels get its gradient (the column sums of
+    dx) from the backward pass that already reads dy. x + bias is formed in fp32, not rounded."""
+    f = _ACTS[check_activation(act)]
+    if bias is None:
+        return f(x.float()).to(x.dtype)
+    check_bias("activation", bias, x)
+    return f(x.float() + bias.float()).to(x.dtype)
 
 
 def glu(u_T2F: Tensor, act: str = "gelu", overwrite_input: bool = False) -> Tensor:

@@ -16,16 +16,18 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 
-__all__ = ["layer_norm_bwd", "activation_bwd", "glu_bwd", "rotary_bwd", "varlen_attention_bwd"]
+__all__ = ["layer_norm_bwd", "activation_bwd", "bias_activation_bwd", "glu_bwd", "rotary_bwd", "varlen_attention_bwd"]
 
 
 def layer_norm_bwd(
-    dy_TD: Tensor, x_TD: Tensor, weight: Tensor, eps: float, dsum_TD: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
+    dy_TD: Tensor, x_TD: Tensor, weight: Tensor, eps: float, dsum_TD: Tensor | None = None,
+    need_dxb: bool = False,
+) -> tuple[Tensor, ...]:
     """(dx in x's dtype, dweight, dbias in weight's dtype) of `reference.layer_norm`.
 
     `dsum_TD` is gradient reaching the LayerNorm input from elsewhere (add_layer_norm's returned
-    sum); it is added to dx in fp32 before the one rounding.
+    sum); it is added to dx in fp32 before the one rounding. `need_dxb`: also return, fourth, the
+    column sums of that fp32 dx in weight's dtype: the gradient of add_layer_norm's `x_bias`.
     """
     x, dy, w = x_TD.float(), dy_TD.float(), weight.float()
     mean = x.mean(-1, keepdim=True)
@@ -37,7 +39,8 @@ def layer_norm_bwd(
     if dsum_TD is not None:
         dx = dx + dsum_TD.float()
     dims = tuple(range(dy.dim() - 1))
-    return dx.to(x_TD.dtype), (dy * xhat).sum(dims).to(weight.dtype), dy.sum(dims).to(weight.dtype)
+    out = dx.to(x_TD.dtype), (dy * xhat).sum(dims).to(weight.dtype), dy.sum(dims).to(weight.dtype)
+    return (*out, dx.sum(dims).to(weight.dtype)) if need_dxb else out
 
 
 def _act_bwd(g: Tensor, a: Tensor, act: str) -> Tensor:
@@ -65,6 +68,13 @@ def _act_bwd(g: Tensor, a: Tensor, act: str) -> Tensor:
 def activation_bwd(dy: Tensor, x: Tensor, act: str) -> Tensor:
     """dx = dy * act'(x) of `reference.activation`, fp32 math, in x's dtype."""
     return _act_bwd(dy.float(), x.float(), reference.check_activation(act)).to(x.dtype)
+
+
+def bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    """(dx in x's dtype, dbias in bias's dtype) of `reference.activation(x, act, bias=bias)`:
+    dx = dy * act'(x + bias) in fp32, one rounding; dbias = the column sums of that fp32 dx."""
+    g = _act_bwd(dy.float(), x.float() + bias.float(), reference.check_activation(act))
+    return g.to(x.dtype), g.reshape(-1, g.shape[-1]).sum(0).to(bias.dtype)
 
 
 def glu_bwd(dout_TF: Tensor, u_T2F: Tensor, act: str = "gelu") -> Tensor:

@@ -8,7 +8,7 @@ reference, so the Ops-table function itself only reaches the kernels on a GPU (t
 import pytest
 import torch
 
-from packedenc.errors import ConfigError
+from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import reference, reference_bwd
 from packedenc.kernels.triton import activation as A
 from tests.kernels._assert import CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref
@@ -22,6 +22,12 @@ def _ref_grad(x, dy, act):
     leaf = x.detach().requires_grad_()
     (g,) = torch.autograd.grad(reference.activation(leaf, act), leaf, dy)
     return g
+
+
+def _ref_bias_grads(x, b, dy, act):
+    """(dx, dbias) of sum(act(x + b) * dy) through torch.autograd of the reference."""
+    leaves = [x.detach().requires_grad_(), b.detach().requires_grad_()]
+    return torch.autograd.grad(reference.activation(leaves[0], act, bias=leaves[1]), leaves, dy)
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -165,3 +171,159 @@ def test_activation_overwrite_input_writes_over_x_in_eager_inference(dtype, monk
     before = xt.clone()
     out = A.activation(xt, "gelu", overwrite_input=True)
     assert torch.equal(xt, before) and torch.equal(out, A.activation_fwd(before, "gelu"))
+
+
+# ---- with a fused bias: act(x + bias), dbias from the backward kernel ----------------------------
+
+
+def _bias_inputs(T, F, dtype, device=DEVICE):
+    x = (torch.randn(T, F) * 3).to(device, dtype)
+    b = torch.randn(F).to(device, dtype)
+    return x, b, torch.randn(T, F).to(device, dtype)
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bias_activation_forward_and_backward_match_reference(act, dtype):
+    # (20, 40) in 4 x 16 tiles: 3 column blocks, the last one half masked; 5 row tiles in 2 ranges
+    # of 3 (the second one runs past T): the partial column sums and their one torch sum.
+    x, b, dy = _bias_inputs(T_CPU, 40, dtype)
+    y = A.bias_activation_fwd(x, b, act, tile=(4, 16))
+    ref32 = reference.activation(x.float(), act, bias=b.float())
+    assert_close_to_ref(y, ref32, reference.activation(x, act, bias=b), atol=1e-6, what=act)
+    dx, db = A.bias_activation_bwd(dy, x, b, act, tile=(4, 16), programs=2)
+    (dx32, db32), (dxl, dbl) = _ref_bias_grads(x.float(), b.float(), dy.float(), act), _ref_bias_grads(x, b, dy, act)
+    assert_close_to_ref(dx, dx32, dxl, atol=2e-6, what=f"d{act}")
+    assert_close_to_ref(db, db32, dbl, atol=2e-6, what=f"dbias {act}")
+    rdx, rdb = reference_bwd.bias_activation_bwd(dy, x, b, act)  # the CPU op's implementation
+    assert_close_to_ref(rdx, dx32, dxl, atol=2e-6, what=f"reference d{act}")
+    assert_close_to_ref(rdb, db32, dbl, atol=2e-6, what=f"reference dbias {act}")
+
+
+@pytest.mark.parametrize("programs", [1, 3, 1024])  # one range; uneven ranges; one tile per range
+def test_bias_activation_backward_partitions_and_determinism(programs):
+    x, b, dy = _bias_inputs(T_CPU, 24, torch.float32)
+    dx, db = A.bias_activation_bwd(dy, x, b, "gelu", tile=(2, 8), programs=programs)
+    want_dx, want_db = _ref_bias_grads(x, b, dy, "gelu")
+    torch.testing.assert_close(dx, want_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5)
+    again = A.bias_activation_bwd(dy, x, b, "gelu", tile=(2, 8), programs=programs)
+    assert torch.equal(dx, again[0]) and torch.equal(db, again[1])  # no atomics: bit for bit
+
+
+def test_bias_activation_default_tile_shapes_and_empty():
+    """The shipped tile on a 3-D input with a masked column tail; a non-contiguous input; no rows."""
+    x = (torch.randn(2, 9, 80) * 3).to(DEVICE, torch.float16)
+    b = torch.randn(80).to(DEVICE, torch.float16)
+    y = A.bias_activation_fwd(x, b, "silu")
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(y, A.bias_activation_fwd(x.reshape(18, 80), b, "silu", tile=(4, 32)).view_as(x))
+    dy = torch.randn(2, 9, 80).to(DEVICE, torch.float16)
+    dx, db = A.bias_activation_bwd(dy, x, b, "silu")
+    assert dx.shape == x.shape and db.shape == (80,) and db.dtype == torch.float16
+    xt = (torch.randn(80, 9) * 3).to(DEVICE).t()  # (9, 80), not contiguous: copied to rows first
+    bt = torch.randn(80).to(DEVICE)
+    assert torch.equal(A.bias_activation_fwd(xt, bt, "gelu"), A.bias_activation_fwd(xt.contiguous(), bt, "gelu"))
+    e = torch.empty(0, 16).to(DEVICE)
+    assert A.bias_activation_fwd(e, torch.zeros(16).to(DEVICE), "gelu").shape == (0, 16)
+    dx, db = A.bias_activation_bwd(e, e, torch.zeros(16).to(DEVICE), "gelu")
+    assert dx.shape == (0, 16) and torch.equal(db, torch.zeros(16).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bias_activation_overwrite_input_in_eager_inference(dtype, monkeypatch):
+    monkeypatch.setattr(A, "direct_launch", lambda *ts: True)  # the eager CUDA inference branch
+    x, b, _ = _bias_inputs(T_CPU, 40, dtype)
+    want = A.bias_activation_fwd(x, b, "gelu")
+    kept = x.clone()
+    assert torch.equal(A.activation(kept, "gelu", bias=b), want) and torch.equal(kept, x)  # input untouched
+    y = A.activation(x, "gelu", overwrite_input=True, bias=b)
+    assert y.data_ptr() == x.data_ptr() and torch.equal(x, want)
+    xt = (torch.randn(40, T_CPU) * 3).to(DEVICE, dtype).t()  # not contiguous: its copy is overwritten
+    before = xt.clone()
+    out = A.activation(xt, "gelu", overwrite_input=True, bias=b)
+    assert torch.equal(xt, before) and torch.equal(out, A.bias_activation_fwd(before, b, "gelu"))
+
+
+def test_bias_activation_op_opcheck_autograd_and_compile():
+    x, b, w = torch.randn(5, 16), torch.randn(16), torch.randn(5, 16)
+    for act in ("gelu", "linear"):  # "linear": x + b, and its dx (= dy) must not alias dy
+        torch.library.opcheck(torch.ops.packedenc.bias_activation.default,
+                              (x.clone().requires_grad_(), b.clone().requires_grad_(), act))
+        torch.library.opcheck(torch.ops.packedenc.bias_activation_bwd.default, (torch.randn(5, 16), x, b, act))
+    for act in ("silu", "gelu", "tanh", "linear"):
+        a, c = x.clone().requires_grad_(), b.clone().requires_grad_()
+        (A.activation(a, act, bias=c) * w).sum().backward()
+        want_dx, want_db = _ref_bias_grads(x, b, w, act)
+        torch.testing.assert_close(a.grad, want_dx, msg=act)
+        torch.testing.assert_close(c.grad, want_db, msg=act)
+    torch.testing.assert_close(A.activation(x, "linear", bias=b), x + b)
+    f = lambda t, c: A.activation(t, "gelu_new", bias=c)  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, b), f(x, b))
+
+
+@pytest.mark.parametrize("fn", ["op", "reference", "fwd", "bwd"])
+def test_activation_rejects_a_bad_bias(fn):
+    x = torch.randn(4, 8)
+    call = {"op": lambda b: A.activation(x, "gelu", bias=b),
+            "reference": lambda b: reference.activation(x, "gelu", bias=b),
+            "fwd": lambda b: A.bias_activation_fwd(x, b, "gelu"),
+            "bwd": lambda b: A.bias_activation_bwd(x, x, b, "gelu")}[fn]
+    cases = [
+        (torch.randn(4), r"activation: bias must have shape \(8,\)"),
+        (torch.randn(4, 8), r"bias must have shape \(8,\) \(the last dim of x, \(4, 8\)\), got \(4, 8\)"),
+        (torch.randn(8, dtype=torch.float16), r"bias is torch.float16 but x is torch.float32; cast it"),
+        (torch.randn(8, device="meta"), "bias is on meta but x on cpu"),
+        (1.0, "bias must be a tensor or None"),
+    ]
+    for b, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            call(b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu", "silu", "linear"])
+@pytest.mark.parametrize("F", [2048, 1000])  # the issue-6 FFN width; a masked column block
+def test_gpu_bias_activation(dtype, act, F):
+    from packedenc.kernels import get_ops
+
+    ops = get_ops("auto", "cuda")
+    T = sum(GPU_LENGTHS)
+    x, b, dy = _bias_inputs(T, F, dtype, device="cuda")
+    atol = 1e-5 if dtype == torch.float32 else 1e-3
+    y = ops.activation(x, act, bias=b)  # eager, no grad: the direct launch
+    ref32 = reference.activation(x.float(), act, bias=b.float())
+    assert_close_to_ref(y, ref32, reference.activation(x, act, bias=b), atol=atol, what=act)
+    assert torch.equal(torch.ops.packedenc.bias_activation(x, b, act), y)  # the registered op: same kernel
+    kept = x.clone()
+    assert torch.equal(ops.activation(kept, act, overwrite_input=True, bias=b), y) and torch.equal(kept, y)
+    (dx32, db32), (dxl, dbl) = _ref_bias_grads(x.float(), b.float(), dy.float(), act), _ref_bias_grads(x, b, dy, act)
+
+    def grads():
+        leaves = [x.detach().requires_grad_(), b.detach().requires_grad_()]
+        return torch.autograd.grad(ops.activation(leaves[0], act, bias=leaves[1]), leaves, dy)
+
+    dx, db = grads()
+    assert_close_to_ref(dx, dx32, dxl, atol=atol, what=f"d{act}")
+    assert_close_to_ref(db, db32, dbl, atol=atol, what=f"dbias {act}")
+    assert all(torch.equal(a, c) for a, c in zip((dx, db), grads()))  # deterministic
+
+
+@pytest.mark.gpu
+def test_gpu_bias_activation_compile_and_graph():
+    from packedenc.kernels import get_ops
+
+    ops = get_ops("auto", "cuda")
+    x, b, _ = _bias_inputs(4096, 2048, torch.bfloat16, device="cuda")
+    y = ops.activation(x, "gelu", bias=b)
+    f = torch.compile(lambda t, c: ops.activation(t, "gelu", bias=c), fullgraph=True)
+    assert torch.equal(f(x, b), y)
+    static = x[:512].clone()
+    ops.activation(static, "gelu", bias=b)  # warm-up outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.activation(static, "gelu", bias=b)
+    static.copy_(x[512:1024])
+    g.replay()
+    assert torch.equal(out, y[512:1024])
