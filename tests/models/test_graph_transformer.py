@@ -7,6 +7,8 @@ equalities on the CUDA path (torch's flash / efficient varlen kernels) in fp32 a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,15 +139,29 @@ def test_projected_tokens_equal_raw_features():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _registered_ops_table():
+    """The reference table with the fused ops swapped for the Triton modules' Ops-table entries. On
+    the CPU those run their registered custom ops (reference implementation, registered autograd):
+    the model then goes through the ops' bias plumbing (`bias=`, `x_bias=`) and backward formulas."""
+    from packedenc.kernels.triton import activation as A, glu as G, layer_norm as L
+
+    return dataclasses.replace(pe.get_ops("reference"), activation=A.activation, glu=G.glu,
+                               add_layer_norm=L.add_layer_norm, layer_norm=L.layer_norm)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("ops", ["reference", "registered"])
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2", "neighbor-geglu-ratio"])
-def test_gradients_match_padded(name):
+def test_gradients_match_padded(name, ops, recompute, monkeypatch):
+    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", recompute)
+    backend = _registered_ops_table() if ops == "registered" else "reference"
     cfg, p = make(name)
     x, cu, kw = inputs(cfg)
     w = torch.randn(len(LENGTHS), cfg.out_dim, generator=torch.Generator().manual_seed(5))
     leaves = dict(named_leaves(p))
     p = tree_map(lambda t: t.detach().requires_grad_(), p)
     x = x.clone().requires_grad_()
-    (encode(p, x, cu, **kw, backend="reference") * w).sum().backward()
+    (encode(p, x, cu, **kw, backend=backend) * w).sum().backward()
     m = padded_model(cfg, p)
     xr = x.detach().clone().requires_grad_()
     xp, valid, nt, hops, kf = padded_inputs(xr, cu, kw.get("node_types"), kw.get("hops"), kw.get("key_features"))
@@ -157,6 +173,37 @@ def test_gradients_match_padded(name):
         assert t.grad is not None, path
         torch.testing.assert_close(t.grad, ref[gigl_key(path, cfg)].grad, atol=5e-5, rtol=1e-4, msg=path)
     torch.testing.assert_close(x.grad, xr.grad, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-relu-1layer", "neighbor-geglu-ratio"])
+def test_biases_ride_into_the_elementwise_ops(name):
+    """The FFN's and the attention output's GEMMs run without bias: linear_in's bias goes to
+    ops.activation (gated FFNs keep it in the GEMM: ops.glu takes none), output_projection's and
+    linear_out's to the next add_layer_norm as x_bias (incl. the final norm), so the kernels
+    return their gradients instead of autograd summing (T, width) gradients once more."""
+    cfg, p = make(name)
+    x, cu, kw = inputs(cfg)
+    ref, calls = pe.get_ops("reference"), []
+
+    def spy(op):
+        def fn(*a, **k):
+            calls.append((op, a, k))
+            return getattr(ref, op)(*a, **k)
+        return fn
+
+    ops = dataclasses.replace(ref, **{op: spy(op) for op in ("linear", "activation", "glu", "add_layer_norm")})
+    torch.testing.assert_close(encode(p, x, cu, **kw, backend=ops), encode(p, x, cu, **kw, backend="reference"))
+    layers = p.encoder_layers
+    gemm_bias = {id(a[1]): a[2] if len(a) > 2 else k.get("bias") for op, a, k in calls if op == "linear"}
+    for lp in layers:
+        assert gemm_bias[id(lp.output_projection.weight)] is None
+        assert gemm_bias[id(lp.ffn.linear_out.weight)] is None
+        assert gemm_bias[id(lp.ffn.linear_in.weight)] is (lp.ffn.linear_in.bias if cfg.is_xglu else None)
+    act_bias = [k.get("bias") for op, a, k in calls if op == "activation"]
+    assert [b is lp.ffn.linear_in.bias for b, lp in zip(act_bias, layers)] == [True] * (0 if cfg.is_xglu else len(layers))
+    x_bias = [k.get("x_bias") for op, a, k in calls if op == "add_layer_norm"]
+    want = [b for lp in layers for b in (lp.output_projection.bias, lp.ffn.linear_out.bias)]
+    assert len(x_bias) == len(want) and all(a is b for a, b in zip(x_bias, want))
 
 
 def test_bf16_params_run_close_to_fp32():
@@ -274,8 +321,8 @@ def test_ffn_activation_recompute_keeps_gradients_and_saves_memory(name, monkeyp
     for a, b in zip(with_recompute, plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     # act(u) (and, for gated FFNs, the activation's own fp32 intermediates) is no longer kept:
-    # at least (T, F) elements fewer per layer
-    assert saved_plain - saved_recompute >= cfg.num_layers * x.shape[0] * cfg.ffn_dim
+    # at least (T, F) elements fewer per layer, less the (F,) fused input bias the recompute keeps
+    assert saved_plain - saved_recompute >= cfg.num_layers * (x.shape[0] - 1) * cfg.ffn_dim
 
 
 def test_reference_attention_isolates_sequences_and_applies_key_bias():
@@ -375,11 +422,16 @@ def test_gpu_fp32_equals_padded_and_bf16_within_twice_padded_error(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,core", [(torch.float32, "efficient"), (torch.bfloat16, "triton"),
-                                        (torch.bfloat16, "efficient"), (torch.bfloat16, "flash")])
+@pytest.mark.parametrize("dtype,core,recompute", [
+    (torch.float32, "efficient", False), (torch.bfloat16, "triton", False), (torch.bfloat16, "efficient", False),
+    (torch.bfloat16, "flash", False),
+    # the FFN recompute (act(u + b) and its dbias again in the backward), fp32 and bf16
+    (torch.float32, "efficient", True), (torch.bfloat16, "triton", True),
+])
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2"])
-def test_gpu_gradients_match_padded(name, dtype, core, monkeypatch):
+def test_gpu_gradients_match_padded(name, dtype, core, recompute, monkeypatch):
     monkeypatch.setattr(GA, "LOWP_CORE", core)
+    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", recompute)
     cfg, p = make(name)
     x, cu, kw = inputs(cfg, lengths=[1, 40, 3, 128, 7])
     dev = "cuda"

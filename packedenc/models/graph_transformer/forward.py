@@ -17,7 +17,6 @@ features, A key-bias features, O out_dim.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Mapping
 
 import torch
@@ -43,6 +42,15 @@ __all__ = ["encode", "project_nodes", "layer", "readout"]
 # next norm adds it with `ops.add_layer_norm`, which rounds the sum to the activation dtype before
 # the statistics (exactly GiGL's `x = x + f(x)` then `norm(x)`) and returns that sum as the new
 # residual: one fused kernel (and one fused backward) instead of an add and a norm.
+#
+# Biases ride with the elementwise op after their GEMM instead of inside it: the block's last GEMM
+# (attention output projection, FFN output) runs without its bias, which goes to the next norm as
+# `add_layer_norm(..., x_bias=b)` (a block returns (delta, delta_bias)); the FFN's first GEMM runs
+# without its bias, which `ops.activation(..., bias=b)` adds. The kernels' backward passes then
+# return those biases' gradients as column sums of gradients they already read, where autograd
+# would run a separate (T, width) reduction per biased GEMM (issue 6: ~5 ms of a 70 ms train-bf16
+# pass). The sum is rounded once (x + b + residual in fp32) rather than after the GEMM and again
+# after the add: fp32 results move by fp32 rounding, bf16 ones get slightly closer to fp32.
 
 # True: keep only the FFN's pre-activation for the backward and recompute act(u) there (one
 # elementwise pass over u) instead of also keeping act(u): (T, F) fewer saved elements per layer,
@@ -60,45 +68,57 @@ def _qkv_weights(p: EncoderLayer) -> tuple[Tensor, Tensor | None]:
 
 
 class _ActLinear(torch.autograd.Function):
-    """linear(act(u), W, b) that saves u (not act(u)) and recomputes act(u) in the backward."""
+    """linear(act(u, b), W) (no bias) that saves u (not act(u, b)) and recomputes act in the backward.
+
+    `act(u, b)` is the FFN activation with its fused input bias `b` (None for gated FFNs, whose
+    first GEMM keeps its bias); the recompute's backward gives du and db together."""
 
     @staticmethod
-    def forward(u: Tensor, weight: Tensor, bias: Tensor | None, act: Callable[[Tensor], Tensor],
+    def forward(u: Tensor, bias_in: Tensor | None, weight: Tensor, act: Callable[..., Tensor],
                 linear: Callable[..., Tensor]) -> Tensor:
-        return linear(act(u), weight, bias)
+        return linear(act(u, bias_in), weight, None)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        u, weight, bias, act, _ = inputs
-        ctx.save_for_backward(u, weight)
-        ctx.act, ctx.has_bias = act, bias is not None
+        u, bias_in, weight, act, _ = inputs
+        ctx.save_for_backward(u, bias_in, weight)
+        ctx.act = act
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        u, weight = ctx.saved_tensors
+        u, bias_in, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dg = dy @ weight  # first: the recomputed act(u) then lives only for the weight gradient
+        need_u, need_b = ctx.needs_input_grad[0], bias_in is not None and ctx.needs_input_grad[1]
         with torch.enable_grad():
-            u_ = u.detach().requires_grad_()
-            g = ctx.act(u_)
+            u_ = u.detach().requires_grad_(need_u)
+            b_ = None if bias_in is None else bias_in.detach().requires_grad_(need_b)
+            g = ctx.act(u_, b_)
         dw = dy2.t() @ g.detach().reshape(-1, g.shape[-1])
-        du = torch.autograd.grad(g, u_, dg)[0] if ctx.needs_input_grad[0] else None
-        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return du, dw, db, None, None
+        leaves = [t for t, need in ((u_, need_u), (b_, need_b)) if need]
+        got = iter(torch.autograd.grad(g, leaves, dg) if leaves else ())
+        return next(got) if need_u else None, next(got) if need_b else None, dw, None, None
 
 
-def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops) -> Tensor:
-    u = ops.linear(h_XD, p.ffn.linear_in.weight, p.ffn.linear_in.bias)
-    if cfg.is_xglu:
-        act = functools.partial(ops.glu, act=XGLU[cfg.activation])
+def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops) -> tuple[Tensor, Tensor | None]:
+    """(FFN output without linear_out's bias, that bias): the caller's next norm adds it."""
+    lin_in, out = p.ffn.linear_in, p.ffn.linear_out
+    if cfg.is_xglu:  # ops.glu takes no bias: linear_in keeps its bias in the GEMM
+        u, bias_in = ops.linear(h_XD, lin_in.weight, lin_in.bias), None
+
+        def act(u: Tensor, b: Tensor | None, overwrite_input: bool = False) -> Tensor:
+            return ops.glu(u, act=XGLU[cfg.activation], overwrite_input=overwrite_input)
     else:
-        act = functools.partial(ops.activation, act=cfg.activation)
-    out = p.ffn.linear_out
-    if RECOMPUTE_FFN_ACTIVATION and torch.is_grad_enabled() and u.requires_grad and _plain_autograd():
-        return _ActLinear.apply(u, out.weight, out.bias, act, ops.linear)
-    # u is this call's own temporary: inference kernels may write act(u) over it
-    return ops.linear(act(u, overwrite_input=True), out.weight, out.bias)
+        u, bias_in = ops.linear(h_XD, lin_in.weight, None), lin_in.bias
+
+        def act(u: Tensor, b: Tensor | None, overwrite_input: bool = False) -> Tensor:
+            return ops.activation(u, cfg.activation, overwrite_input=overwrite_input, bias=b)
+    if RECOMPUTE_FFN_ACTIVATION and torch.is_grad_enabled() and _plain_autograd() and (
+            u.requires_grad or (bias_in is not None and bias_in.requires_grad)):
+        return _ActLinear.apply(u, bias_in, out.weight, act, ops.linear), out.bias
+    # u is this call's own temporary: inference kernels may write act(u + b) over it
+    return ops.linear(act(u, bias_in, overwrite_input=True), out.weight, None), out.bias
 
 
 def _plain_autograd() -> bool:
@@ -109,6 +129,14 @@ def _plain_autograd() -> bool:
         return torch._C._functorch.peek_interpreter_stack() is None
     except AttributeError:  # private hook moved: keep both tensors, always correct
         return False
+
+
+def _add_norm(ops: Ops, delta: Tensor, residual: Tensor, norm, eps: float,
+              delta_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(norm(delta + delta_bias + residual), that sum); the bias rides into the fused kernel."""
+    if delta_bias is None:  # the op as every other family calls it
+        return ops.add_layer_norm(delta, residual, norm.weight, norm.bias, eps)
+    return ops.add_layer_norm(delta, residual, norm.weight, norm.bias, eps, x_bias=delta_bias)
 
 
 def layer(
@@ -122,8 +150,9 @@ def layer(
     ops: Ops,
     *,
     anchors_only: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """One pre-norm encoder layer on the stream `residual + delta`. Pure: returns new tensors.
+    delta_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One pre-norm encoder layer on the stream `residual + delta + delta_bias`. Pure: returns new tensors.
 
     Arguments:
         delta_TD: (T, D) previous block's output not yet added to residual_TD, or None.
@@ -131,15 +160,19 @@ def layer(
         key_bias_TH: (T, H) additive per-key score bias, or None.
         anchors_only: compute only the first token of every sequence (queries, residual and FFN);
             keys and values still cover all tokens. Returns (S, D) tensors instead of (T, D).
+        delta_bias: (D,) the previous block's output bias, not yet added to delta_TD, or None.
     Return:
-        (delta, residual): this layer's output is residual + delta (added by the next norm).
+        (delta, residual, delta_bias): this layer's output is residual + delta + delta_bias, all
+        three added (one rounding) by the next `add_layer_norm(..., x_bias=delta_bias)`; a caller
+        without a following norm adds them itself. delta_bias is the FFN's output bias (or None).
     """
     T, H, K = residual_TD.shape[0], cfg.num_heads, cfg.head_dim
     an, eps = p.attention_norm, cfg.norm_eps
     if delta_TD is None:
+        assert delta_bias is None, "layer: delta_bias without delta_TD"
         h_TD = ops.layer_norm(residual_TD, an.weight, an.bias, eps)
     else:
-        h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, an.weight, an.bias, eps)
+        h_TD, residual_TD = _add_norm(ops, delta_TD, residual_TD, an, eps, delta_bias)
     w, b = _qkv_weights(p)
     if anchors_only:
         S = cu_seqlens.numel() - 1
@@ -159,9 +192,10 @@ def layer(
                                     key_bias_TH)
     X = o_XHK.shape[0]
     op, fn = p.output_projection, p.ffn_norm
-    a_XD = ops.linear(o_XHK.reshape(X, H * K), op.weight, op.bias)
-    h_XD, resid_XD = ops.add_layer_norm(a_XD, resid_XD, fn.weight, fn.bias, eps)
-    return _ffn(p, h_XD, cfg, ops), resid_XD
+    a_XD = ops.linear(o_XHK.reshape(X, H * K), op.weight, None)  # op.bias: added by the norm
+    h_XD, resid_XD = _add_norm(ops, a_XD, resid_XD, fn, eps, op.bias)
+    f_XD, f_bias = _ffn(p, h_XD, cfg, ops)
+    return f_XD, resid_XD, f_bias
 
 
 # ---- readout --------------------------------------------------------------------------------
@@ -334,20 +368,21 @@ def encode(
 
     layers = params.encoder_layers
     last_anchor_only = cfg.readout_mode == "anchor_only" and not return_tokens and len(layers) > 0
-    delta_TD, resid_TD = None, h_TD
+    delta_TD, resid_TD, dbias = None, h_TD, None
     for p in layers[: len(layers) - int(last_anchor_only)]:
-        delta_TD, resid_TD = layer(p, delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops)
+        delta_TD, resid_TD, dbias = layer(p, delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops,
+                                          delta_bias=dbias)
     fnorm, eps = params.final_norm, cfg.norm_eps
     if last_anchor_only:
-        delta_SD, resid_SD = layer(layers[-1], delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops,
-                                   anchors_only=True)
-        out_SD = ops.add_layer_norm(delta_SD, resid_SD, fnorm.weight, fnorm.bias, eps)[0]
+        delta_SD, resid_SD, dbias = layer(layers[-1], delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops,
+                                          anchors_only=True, delta_bias=dbias)
+        out_SD = _add_norm(ops, delta_SD, resid_SD, fnorm, eps, dbias)[0]
         z_TD = None
     else:
         if delta_TD is None:  # no layers
             z_TD = ops.layer_norm(resid_TD, fnorm.weight, fnorm.bias, eps)
         else:
-            z_TD = ops.add_layer_norm(delta_TD, resid_TD, fnorm.weight, fnorm.bias, eps)[0]
+            z_TD = _add_norm(ops, delta_TD, resid_TD, fnorm, eps, dbias)[0]
         if cfg.readout_mode == "anchor_only":
             out_SD = z_TD.index_select(0, cu_seqlens[:-1].long())
         else:
