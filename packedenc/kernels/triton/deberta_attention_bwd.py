@@ -139,23 +139,6 @@ def _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s
 
 
 @triton.jit
-def _rows(TAB, SLOT, d, half, s_r, offs, offs_k, kmask):
-    """(B, K) rows of a head's table at the slots of distances d .. d + B - 1."""
-    slots = _slot(SLOT, d + offs, half).to(tl.int64)
-    return tl.load(TAB + slots[:, None] * s_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-
-
-@triton.jit
-def _add_rows(DTAB, SLOT, d, half, x, s_r, offs, offs_k, kmask):
-    """DTAB[slot(d + u)] += x[u] for u = 0 .. B - 1 (fp32 atomics; several rows may share a slot).
-
-    "relaxed": the adds need no ordering with other memory; Triton's default acq_rel fences each.
-    """
-    slots = _slot(SLOT, d + offs, half).to(tl.int64)
-    tl.atomic_add(DTAB + slots[:, None] * s_r + offs_k[None, :], x, mask=kmask[None, :], sem="relaxed")
-
-
-@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, PK, PQ, SLOT, CU,  # as in the forward
     DO, LSE, DELTA,  # (T, H, K) output gradient; (T, H) fp32 forward LSE; (T, H) fp32 rowsum(dO * O)
@@ -185,25 +168,16 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
     delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
-    # The band's W = 2B distances d0 + w in two halves, u = 0..B-1: lo = d0 + u, hi = d0 + B + u.
-    # Key column n of pair (m, distance) is m - u + B - 1 (lo; valid when u >= m) and m - u - 1 (hi).
-    band_lo = offs[:, None] - offs[None, :] + (BLOCK - 1)
-    lo_ok = band_lo < BLOCK
-    band_lo = tl.minimum(band_lo, BLOCK - 1)
-    band_hi = offs[:, None] - offs[None, :] - 1
-    hi_ok = band_hi >= 0
-    band_hi = tl.maximum(band_hi, 0)
+    w = tl.arange(0, 2 * BLOCK)
+    band_n = offs[:, None] - w[None, :] + (BLOCK - 1)  # (M, W): key column n of pair (m, distance w)
+    band_ok = (band_n >= 0) & (band_n < BLOCK)
+    band_n = tl.minimum(tl.maximum(band_n, 0), BLOCK - 1)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
     DPKh = DPK + hh * s_dpk_h
 
     dq = tl.zeros([BLOCK, BLOCK_K], tl.float32)
     run_slot = tl.zeros([], tl.int32) - 1  # slot of the current run of rank-1 tiles
     run_g = tl.zeros([BLOCK], tl.float32)  # its per-row sum of G
-    # Keys advance by B, so distances fall by B: a band tile's lo half is the next tile's hi half.
-    # Its dPK rows are carried in registers and added once, with the next tile's (half the atomics).
-    carry = tl.zeros([BLOCK, BLOCK_K], tl.float32)
-    carry_d = tl.zeros([], tl.int32)  # distance of carry's row 0
-    has_carry = tl.zeros([], tl.int32)
     for j0 in range(0, L, BLOCK):
         nmask = (j0 + offs) < L
         cols = start + j0 + offs.to(tl.int64)
@@ -218,9 +192,6 @@ def _bwd_dq_kernel(
             d0 = i0 - j0 - (BLOCK - 1)
             slot_lo = _slot(SLOT, d0, half)
             if slot_lo == _slot(SLOT, d0 + 2 * BLOCK - 2, half):
-                if has_carry:
-                    _add_rows(DPKh, SLOT, carry_d, half, carry, s_dpk_r, offs, offs_k, kmask)
-                    has_carry = 0
                 g_m = tl.sum(g, 1)
                 pk = tl.load(PKh + slot_lo.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
                 dq += g_m[:, None] * pk[None, :]
@@ -232,23 +203,13 @@ def _bwd_dq_kernel(
                     run_slot = slot_lo
                 run_g += g_m
             else:
-                g16 = g.to(q.dtype)
-                gc_lo = tl.where(lo_ok, tl.gather(g16, band_lo, axis=1), 0.0)  # (M, B): distances d0 + u
-                gc_hi = tl.where(hi_ok, tl.gather(g16, band_hi, axis=1), 0.0)  # (M, B): d0 + B + u
-                pk_lo = _rows(PKh, SLOT, d0, half, s_pk_r, offs, offs_k, kmask)
-                pk_hi = _rows(PKh, SLOT, d0 + BLOCK, half, s_pk_r, offs, offs_k, kmask)
-                dq += tl.dot(gc_lo, pk_lo.to(q.dtype), input_precision=PREC)
-                dq += tl.dot(gc_hi, pk_hi.to(q.dtype), input_precision=PREC)
-                acc = tl.dot(tl.trans(gc_hi), q, input_precision=PREC)  # (B, K)
-                if has_carry:  # the previous band tile's lo half: the same distances
-                    acc += carry
-                _add_rows(DPKh, SLOT, d0 + BLOCK, half, acc, s_dpk_r, offs, offs_k, kmask)
-                carry = tl.dot(tl.trans(gc_lo), q, input_precision=PREC)
-                carry_d = d0
-                has_carry = 1
+                slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
+                pkw = tl.load(PKh + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+                gc = tl.where(band_ok, tl.gather(g.to(q.dtype), band_n, axis=1), 0.0)  # (M, W)
+                dq += tl.dot(gc, pkw.to(q.dtype), input_precision=PREC)
+                dpkw = tl.dot(tl.trans(gc), q, input_precision=PREC)  # (W, K)
+                tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :], sem="relaxed")
     if C2P:
-        if has_carry:
-            _add_rows(DPKh, SLOT, carry_d, half, carry, s_dpk_r, offs, offs_k, kmask)
         if run_slot >= 0:
             tl.atomic_add(DPKh + run_slot.to(tl.int64) * s_dpk_r + offs_k,
                           tl.sum(q.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
@@ -282,14 +243,10 @@ def _bwd_dkdv_kernel(
     k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
-    # Query row m of pair (distance, key n), distances in halves: lo d0 + u -> m = u + n - B + 1
-    # (valid when >= 0), hi d0 + B + u -> m = u + n + 1 (valid when < B).
-    band_lo = offs[:, None] + offs[None, :] - (BLOCK - 1)
-    lo_ok = band_lo >= 0
-    band_lo = tl.maximum(band_lo, 0)
-    band_hi = offs[:, None] + offs[None, :] + 1
-    hi_ok = band_hi < BLOCK
-    band_hi = tl.minimum(band_hi, BLOCK - 1)
+    w = tl.arange(0, 2 * BLOCK)
+    band_m = w[:, None] + offs[None, :] - (BLOCK - 1)  # (W, N): query row m of pair (distance w, n)
+    band_ok = (band_m >= 0) & (band_m < BLOCK)
+    band_m = tl.minimum(tl.maximum(band_m, 0), BLOCK - 1)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
     DPQh = DPQ + hh * s_dpq_h
 
@@ -297,11 +254,6 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK, BLOCK_K], tl.float32)
     run_slot = tl.zeros([], tl.int32) - 1
     run_g = tl.zeros([BLOCK], tl.float32)  # per-key sum of G over the current rank-1 run
-    # Queries advance by B, so distances grow by B: a band tile's hi half is the next tile's lo half
-    # (carried, as in `_bwd_dq_kernel`).
-    carry = tl.zeros([BLOCK, BLOCK_K], tl.float32)
-    carry_d = tl.zeros([], tl.int32)
-    has_carry = tl.zeros([], tl.int32)
     for i0 in range(0, L, BLOCK):
         mmask = (i0 + offs) < L
         rows = start + i0 + offs.to(tl.int64)
@@ -319,9 +271,6 @@ def _bwd_dkdv_kernel(
             d0 = i0 - j0 - (BLOCK - 1)
             slot_lo = _slot(SLOT, d0, half)
             if slot_lo == _slot(SLOT, d0 + 2 * BLOCK - 2, half):
-                if has_carry:
-                    _add_rows(DPQh, SLOT, carry_d, half, carry, s_dpq_r, offs, offs_k, kmask)
-                    has_carry = 0
                 g_n = tl.sum(g, 0)
                 pq = tl.load(PQh + slot_lo.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
                 dk += g_n[:, None] * pq[None, :]
@@ -333,23 +282,13 @@ def _bwd_dkdv_kernel(
                     run_slot = slot_lo
                 run_g += g_n
             else:
-                g16 = g.to(k.dtype)
-                gp_lo = tl.where(lo_ok, tl.gather(g16, band_lo, axis=0), 0.0)  # (B, N): distances d0 + u
-                gp_hi = tl.where(hi_ok, tl.gather(g16, band_hi, axis=0), 0.0)  # (B, N): d0 + B + u
-                pq_lo = _rows(PQh, SLOT, d0, half, s_pq_r, offs, offs_k, kmask)
-                pq_hi = _rows(PQh, SLOT, d0 + BLOCK, half, s_pq_r, offs, offs_k, kmask)
-                dk += tl.dot(tl.trans(gp_lo), pq_lo.to(k.dtype), input_precision=PREC)
-                dk += tl.dot(tl.trans(gp_hi), pq_hi.to(k.dtype), input_precision=PREC)
-                acc = tl.dot(gp_lo, k, input_precision=PREC)  # (B, K)
-                if has_carry:  # the previous band tile's hi half: the same distances
-                    acc += carry
-                _add_rows(DPQh, SLOT, d0, half, acc, s_dpq_r, offs, offs_k, kmask)
-                carry = tl.dot(gp_hi, k, input_precision=PREC)
-                carry_d = d0 + BLOCK
-                has_carry = 1
+                slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
+                pqw = tl.load(PQh + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+                gp = tl.where(band_ok, tl.gather(g.to(k.dtype), band_m, axis=0), 0.0)  # (W, N)
+                dk += tl.dot(tl.trans(gp), pqw.to(k.dtype), input_precision=PREC)
+                dpqw = tl.dot(gp, k, input_precision=PREC)  # (W, K)
+                tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :], sem="relaxed")
     if P2C:
-        if has_carry:
-            _add_rows(DPQh, SLOT, carry_d, half, carry, s_dpq_r, offs, offs_k, kmask)
         if run_slot >= 0:
             tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
                           tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
