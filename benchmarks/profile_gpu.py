@@ -78,6 +78,16 @@ def deberta_kernel(dev):
             f()
             timed(f"bwd lowp={int(lowp)}", f, 2.5)
         da.LOWP_GATHER = True
+        # one kernel recomputing each tile once (dq by atomics) vs the dq + dk/dv pair
+        want = db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])
+        for nw in (4, 8):
+            db.ONE_PASS, db.NUM_WARPS_ONEPASS = True, nw
+            f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
+            got = f()
+            rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                      for a, b in zip(got, want))
+            timed(f"bwd one-pass w{nw} (rel {rel:.0e})", f, 2.5)
+        db.ONE_PASS, db.NUM_WARPS_ONEPASS = False, 8
         # Which position term costs what: c2p gathers along the tile's rows, p2c along its columns.
         for terms, (tk, tq) in {"c2p": (pk, None), "p2c": (None, pq), "none": (None, None)}.items():
             a2 = (q, k, v, cu, L, tk, tq, *args[7:])

@@ -97,7 +97,8 @@ def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) ->
                                                                           pad_id=pad),
             ts.DisentangledFlashTrain("disentangled-flash", host, device, dt, pad_id=pad),
             ts.DisentangledFlashPackedTrain("disentangled-flash-packed", host, device, dt, pad_id=pad),
-            ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True)]
+            ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True),
+            ts.PackedencTrain("packedenc[bwd=one-pass]", host, device, dt, switches={"ONE_PASS": True})]
 
 
 def benches(tiny: bool) -> dict[str, TrainBench]:

@@ -113,11 +113,25 @@ class PackedencTrain(TrainSystem):
     """`pe.encode` + `pe.losses.mlm_token_losses` on the masked rows, one `tree_cast` per step."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 backend: str = "auto", checkpoint: bool = False) -> None:
+                 backend: str = "auto", checkpoint: bool = False, switches: dict[str, Any] | None = None) -> None:
         super().__init__(device, compute_dtype)
         self.name, self.host_params, self.backend, self.checkpoint = name, host_params, backend, checkpoint
         self.optional = checkpoint  # the memory / speed trade-off, on request
+        # module-level kernel choices of `deberta_attention_bwd` set for this system's steps (a variant)
+        self.switches = switches or {}
         self.params: Any = None
+
+    def step(self, inputs: Any) -> Tensor:
+        from packedenc.kernels.triton import deberta_attention_bwd as db
+
+        old = {k: getattr(db, k) for k in self.switches}
+        try:
+            for k, v in self.switches.items():
+                setattr(db, k, v)
+            return super().step(inputs)
+        finally:
+            for k, v in old.items():
+                setattr(db, k, v)
 
     def setup(self) -> None:
         self.params = _trainable(self.host_params, self.device)

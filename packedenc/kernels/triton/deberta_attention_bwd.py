@@ -169,9 +169,6 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
     w = tl.arange(0, 2 * BLOCK)
-    band_n = offs[:, None] - w[None, :] + (BLOCK - 1)  # (M, W): key column n of pair (m, distance w)
-    band_ok = (band_n >= 0) & (band_n < BLOCK)
-    band_n = tl.minimum(tl.maximum(band_n, 0), BLOCK - 1)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
     DPKh = DPK + hh * s_dpk_h
 
@@ -203,6 +200,10 @@ def _bwd_dq_kernel(
                     run_slot = slot_lo
                 run_g += g_m
             else:
+                # formed here, not held across the loop (registers: see deberta_bwd_onepass.py)
+                band_n = offs[:, None] - w[None, :] + (BLOCK - 1)  # (M, W): key column n of (m, w)
+                band_ok = (band_n >= 0) & (band_n < BLOCK)
+                band_n = tl.minimum(tl.maximum(band_n, 0), BLOCK - 1)
                 slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
                 pkw = tl.load(PKh + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
                 gc = tl.where(band_ok, tl.gather(g.to(q.dtype), band_n, axis=1), 0.0)  # (M, W)
@@ -244,9 +245,6 @@ def _bwd_dkdv_kernel(
     v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
     w = tl.arange(0, 2 * BLOCK)
-    band_m = w[:, None] + offs[None, :] - (BLOCK - 1)  # (W, N): query row m of pair (distance w, n)
-    band_ok = (band_m >= 0) & (band_m < BLOCK)
-    band_m = tl.minimum(tl.maximum(band_m, 0), BLOCK - 1)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
     DPQh = DPQ + hh * s_dpq_h
 
@@ -282,6 +280,9 @@ def _bwd_dkdv_kernel(
                     run_slot = slot_lo
                 run_g += g_n
             else:
+                band_m = w[:, None] + offs[None, :] - (BLOCK - 1)  # (W, N): query row m of (w, n)
+                band_ok = (band_m >= 0) & (band_m < BLOCK)
+                band_m = tl.minimum(tl.maximum(band_m, 0), BLOCK - 1)
                 slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
                 pqw = tl.load(PQh + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
                 gp = tl.where(band_ok, tl.gather(g.to(k.dtype), band_m, axis=0), 0.0)  # (W, N)
@@ -303,6 +304,10 @@ BLOCK_MAX_BWD = 32  # tile rows (sm_90 compile: 32-row tiles, 8 warps spill <= 1
 NUM_WARPS_BWD = 4  # H200: 4 warps 1.3-1.7x faster than 8 at K = 64 despite <= 200 bytes of dK/dV spills;
 # K = 128 keeps 8 (4 would spill ~1 KB per thread)
 NUM_STAGES_BWD = 3  # H200: ~2% faster than 2
+# One kernel that recomputes each tile once (`deberta_bwd_onepass.py`; dq by fp32 atomics) instead
+# of the dq + dk/dv pair that recomputes it twice. Off until timed on a GPU against the pair.
+ONE_PASS = False
+NUM_WARPS_ONEPASS = 8  # sm_90 ptxas (Triton 3.9): 4 warps spill ~360 bytes a thread, 8 warps ~4
 
 
 def deberta_attention_bwd(
@@ -338,7 +343,17 @@ def deberta_attention_bwd(
                     num_stages=NUM_STAGES_BWD)
         dpk_ = dpk if dpk is not None else delta  # any fp32 pointer when the table is absent
         dpq_ = dpq if dpq is not None else delta
-        for cu, n_seq in seq_chunks(cu_seqlens):
+        if ONE_PASS:
+            dq32 = torch.zeros((T, H, Kd), dtype=torch.float32, device=q.device)
+            for cu, n_seq in seq_chunks(cu_seqlens):
+                _bwd_onepass_kernel[(triton.cdiv(max_seqlen, BLOCK), H, n_seq)](
+                    q, k, v, pk, pq, table, cu, do, lse, delta, dq32, dk, dv, dpk_, dpq_,
+                    *common, dq32.stride(0), dq32.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
+                    dpk_.stride(0), dpk_.stride(-2), dpq_.stride(0), dpq_.stride(-2),
+                    half, scale * LOG2E, scale, **{**meta, "num_warps": NUM_WARPS_ONEPASS if Kd <= 64 else 8},
+                )
+            dq.copy_(dq32)
+        for cu, n_seq in seq_chunks(cu_seqlens) if not ONE_PASS else ():
             grid = (triton.cdiv(max_seqlen, BLOCK), H, n_seq)
             _bwd_dq_kernel[grid](
                 q, k, v, pk, pq, table, cu, do, lse, delta, dq, dpk_,
@@ -356,3 +371,7 @@ def deberta_attention_bwd(
     dpk = dpk.to(pos_key.dtype) if dpk is not None else None
     dpq = dpq.to(pos_query.dtype) if dpq is not None else None
     return dq, dk, dv, dpk, dpq
+
+
+# Imported last: the one-pass kernel reuses this module's `_probs_and_grad`.
+from packedenc.kernels.triton.deberta_bwd_onepass import _bwd_onepass_kernel  # noqa: E402
