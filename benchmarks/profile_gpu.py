@@ -78,6 +78,17 @@ def deberta_kernel(dev):
             f()
             timed(f"bwd lowp={int(lowp)}", f, 2.5)
         da.LOWP_GATHER = True
+        # 64-row tiles (wgmma, warp-local c2p gathers) need 8 warps (4 spill ~1.3 KB, sm_90 ptxas);
+        # Triton 3.6's pipeliner failed on them at 3 stages.
+        for nw, st in ((8, 2), (8, 1)):
+            da.BLOCK_MAX, da.NUM_WARPS, da.NUM_STAGES = 64, nw, st
+            f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
+            try:
+                f()
+                timed(f"fwd BLOCK 64 w{nw} st{st}", f)
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
+                print(f"BLOCK 64 w{nw} st{st} failed: {type(e).__name__}: {str(e)[:120]}")
+        da.BLOCK_MAX, da.NUM_WARPS, da.NUM_STAGES = 32, 4, 3
         # one kernel recomputing each tile once (dq by atomics) vs the dq + dk/dv pair
         want = db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])
         for nw in (4, 8):
