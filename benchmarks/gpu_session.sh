@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh encode   # ModernBERT + DeBERTa inference benchmarks (with peers)
 #   bash benchmarks/gpu_session.sh train    # training step benchmark (with DisentangledFlash)
 #   bash benchmarks/gpu_session.sh graph    # graph transformer benchmark
+#   bash benchmarks/gpu_session.sh deberta  # DeBERTa kernel variants + DeBERTa-only training step
 #
 # Run from the repository root (or a `git archive` snapshot of it). Logs and result files go to
 # $OUT (default ./gpu_out); copy the JSON / PNG into benchmarks/results/ afterwards. Peer wheels
@@ -12,7 +13,7 @@
 #   python3 -m pip download --no-deps -d .whl disentangled-flash==1.1.1 flashdeberta==0.0.8 einops==0.8.2
 # Set GIT_COMMIT to the snapshot's commit so the records name it.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|encode|train|graph}
+stage=${1:?usage: gpu_session.sh tests|encode|train|graph|deberta}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -28,6 +29,9 @@ case "$stage" in
         timeout 250 python3 -m benchmarks.encode --model deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/deberta.log" | tail -30 ;;
     train)
         timeout 560 python3 -m benchmarks.train --out-dir "$out" 2>&1 | tee "$out/train.log" | tail -40 ;;
+    deberta)
+        timeout 200 python3 -m benchmarks.profile_gpu --parts kernel 2>&1 | tee "$out/deberta_kernel.log" | grep -E "^(case|doc1k|long)|failed"
+        timeout 340 python3 -m benchmarks.train --models deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/train_deberta.log" | tail -20 ;;
     graph)
         timeout 560 python3 -m benchmarks.graph --out "$out/graph_h200.json" 2>&1 | tee "$out/graph.log" | tail -50 ;;
     *)
