@@ -184,7 +184,9 @@ def test_backward_kernels_match_reference(name, one_pass, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got[1 if one_pass else 0:3], again[1 if one_pass else 0:3]))
 
 
-def test_backward_fp16_two_x_rule(monkeypatch):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_backward_fp16_two_x_rule(one_pass, monkeypatch):
+    monkeypatch.setattr(DB, "ONE_PASS", one_pass)
     monkeypatch.setattr(DA, "MAX_GRID_Z", 2)  # 5 sequences in 3 launches
     types, buckets, max_pos = ("c2p", "p2c"), 4, 6
     q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, torch.float16)
