@@ -265,13 +265,15 @@ def classify(params: DebertaParams, hidden_TD: Tensor, cu_seqlens: Tensor, *,
     return ops.linear(pooled_SD, c.weight, c.bias)
 
 
-def mlm_logits(params: DebertaParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
-    """(T, D) hidden -> (T, V) MLM logits from whichever MLM head the params carry.
+def mlm_head(params: DebertaParams, hidden_TD: Tensor, *,
+             backend: str | Ops = "auto") -> tuple[Tensor, Tensor, Tensor | None]:
+    """(T, D) hidden -> (features (T, D), decoder weight (V, D), decoder bias (V,) or None).
 
-    lm_predictions (Microsoft's head, HF legacy=False): LN(act(dense(h))) @ word_embeddings^T + bias.
-    cls.predictions (HF legacy=True): LN(act(transform.dense(h))) @ decoder^T + bias, the decoder tied
-    to the word embeddings unless tie_word_embeddings=False. To score only masked positions, index
-    `hidden_TD` first.
+    The MLM logits are `linear(features, weight, bias)` (`mlm_logits`); `losses.mlm_loss` hands the
+    three to `ops.linear_cross_entropy`, which never keeps the (T, V) logits (V = 128,100 for v3).
+    lm_predictions (Microsoft's head, HF legacy=False): LN(act(dense(h))), word_embeddings, bias.
+    cls.predictions (HF legacy=True): LN(act(transform.dense(h))), the decoder (tied to the word
+    embeddings unless tie_word_embeddings=False) and its bias.
     """
     cfg = params.config
     ops = get_ops(backend, hidden_TD.device)
@@ -287,5 +289,13 @@ def mlm_logits(params: DebertaParams, hidden_TD: Tensor, *, backend: str | Ops =
         raise ConfigError("these params have no MLM head: load a DebertaV2ForMaskedLM checkpoint "
                           "(or one with lm_predictions.* tensors)")
     h = ops.activation(ops.linear(hidden_TD, head.dense.weight, head.dense.bias), cfg.hidden_act)
-    h = ops.layer_norm(h, head.layer_norm.weight, head.layer_norm.bias, cfg.layer_norm_eps)
-    return ops.linear(h, w, bias)
+    return ops.layer_norm(h, head.layer_norm.weight, head.layer_norm.bias, cfg.layer_norm_eps), w, bias
+
+
+def mlm_logits(params: DebertaParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (T, V) MLM logits from whichever MLM head the params carry (`mlm_head`).
+
+    To score only masked positions, index `hidden_TD` first.
+    """
+    ops = get_ops(backend, hidden_TD.device)
+    return ops.linear(*mlm_head(params, hidden_TD, backend=ops))
