@@ -209,7 +209,8 @@ def _bwd_dq_kernel(
                 gc = tl.where(band_ok, tl.gather(g.to(q.dtype), band_n, axis=1), 0.0)  # (M, W)
                 dq += tl.dot(gc, pkw.to(q.dtype), input_precision=PREC)
                 dpkw = tl.dot(tl.trans(gc), q, input_precision=PREC)  # (W, K)
-                tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :], sem="relaxed")
+                tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :],
+                              sem="relaxed")
     if C2P:
         if run_slot >= 0:
             tl.atomic_add(DPKh + run_slot.to(tl.int64) * s_dpk_r + offs_k,
@@ -288,7 +289,8 @@ def _bwd_dkdv_kernel(
                 gp = tl.where(band_ok, tl.gather(g.to(k.dtype), band_m, axis=0), 0.0)  # (W, N)
                 dk += tl.dot(tl.trans(gp), pqw.to(k.dtype), input_precision=PREC)
                 dpqw = tl.dot(gp, k, input_precision=PREC)  # (W, K)
-                tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :], sem="relaxed")
+                tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :],
+                              sem="relaxed")
     if P2C:
         if run_slot >= 0:
             tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
@@ -339,7 +341,8 @@ def deberta_attention_bwd(
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
         meta = dict(HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK, C2P=pos_key is not None, P2C=pos_query is not None,
-                    PREC=_prec(q.dtype), LOWP=_fwd.LOWP_GATHER and q.dtype != torch.float32, num_warps=NUM_WARPS_BWD if BLOCK > 16 and Kd <= 64 else 4 if BLOCK <= 16 else 8,
+                    PREC=_prec(q.dtype), LOWP=_fwd.LOWP_GATHER and q.dtype != torch.float32,
+                    num_warps=NUM_WARPS_BWD if BLOCK > 16 and Kd <= 64 else 4 if BLOCK <= 16 else 8,
                     num_stages=NUM_STAGES_BWD)
         dpk_ = dpk if dpk is not None else delta  # any fp32 pointer when the table is absent
         dpq_ = dpq if dpq is not None else delta
