@@ -11,7 +11,7 @@ from packedenc.errors import InputError
 from packedenc.kernels import reference, reference_bwd
 from packedenc.kernels.triton import layer_norm as L
 from tests.kernels._assert import (
-    CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, err, other_rows,
+    CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, other_rows,
 )
 
 T_CPU = sum(CPU_LENGTHS)
