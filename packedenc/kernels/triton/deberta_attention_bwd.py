@@ -353,21 +353,23 @@ def deberta_attention_bwd(
                     q, k, v, pk, pq, table, cu, do, lse, delta, dq32, dk, dv, dpk_, dpq_,
                     *common, dq32.stride(0), dq32.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
                     dpk_.stride(0), dpk_.stride(-2), dpq_.stride(0), dpq_.stride(-2),
-                    half, scale * LOG2E, scale, **{**meta, "num_warps": NUM_WARPS_ONEPASS if Kd <= 64 else 8},
+                    half, scale * LOG2E, scale,
+                    **{**meta, "num_warps": 4 if BLOCK <= 16 else NUM_WARPS_ONEPASS if Kd <= 64 else 8},
                 )
             dq.copy_(dq32)
-        for cu, n_seq in seq_chunks(cu_seqlens) if not ONE_PASS else ():
-            grid = (triton.cdiv(max_seqlen, BLOCK), H, n_seq)
-            _bwd_dq_kernel[grid](
-                q, k, v, pk, pq, table, cu, do, lse, delta, dq, dpk_,
-                *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(-2),
-                half, scale * LOG2E, scale, **meta,
-            )
-            _bwd_dkdv_kernel[grid](
-                q, k, v, pk, pq, table, cu, do, lse, delta, dk, dv, dpq_,
-                *common, dk.stride(0), dk.stride(1), lse.stride(0), dpq_.stride(0), dpq_.stride(-2),
-                half, scale * LOG2E, scale, **meta,
-            )
+        else:
+            for cu, n_seq in seq_chunks(cu_seqlens):
+                grid = (triton.cdiv(max_seqlen, BLOCK), H, n_seq)
+                _bwd_dq_kernel[grid](
+                    q, k, v, pk, pq, table, cu, do, lse, delta, dq, dpk_,
+                    *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(-2),
+                    half, scale * LOG2E, scale, **meta,
+                )
+                _bwd_dkdv_kernel[grid](
+                    q, k, v, pk, pq, table, cu, do, lse, delta, dk, dv, dpq_,
+                    *common, dk.stride(0), dk.stride(1), lse.stride(0), dpq_.stride(0), dpq_.stride(-2),
+                    half, scale * LOG2E, scale, **meta,
+                )
     else:
         for t in (dq, dk, dv):
             t.zero_()
