@@ -124,6 +124,30 @@ def reference_bwd(do, q, k, v, cu_seqlens, max_seqlen, pk, pq, position_buckets,
 
 
 @triton.jit
+def _query_block(Q, DO, LSE, DELTA, start, i0, L, hh, s_q_t, s_q_h, s_do_t, s_do_h, s_lse_t, offs, offs_k, kmask):
+    """Rows i0 .. i0 + B - 1 of a sequence at `start`: (token rows, row mask, (B, K) mask, q, dO, LSE, delta)."""
+    mmask = (i0 + offs) < L
+    rows = start + i0 + offs.to(tl.int64)
+    qmask = mmask[:, None] & kmask[None, :]
+    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
+    lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
+    delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
+    return rows, mmask, qmask, q, do, lse, delta
+
+
+@triton.jit
+def _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask):
+    """Keys j0 .. j0 + B - 1 of a sequence at `start`: (token rows, key mask, (B, K) mask, k, v)."""
+    nmask = (j0 + offs) < L
+    cols = start + j0 + offs.to(tl.int64)
+    kv_mask = nmask[:, None] & kmask[None, :]
+    k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    return cols, nmask, kv_mask, k, v
+
+
+@triton.jit
 def _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                     offs_k, kmask, idx, valid, qk_scale, scale,
                     C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
@@ -160,13 +184,8 @@ def _bwd_dq_kernel(
     offs = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
-    mmask = (i0 + offs) < L
-    rows = start + i0 + offs.to(tl.int64)
-    qmask = mmask[:, None] & kmask[None, :]
-    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
-    do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
-    lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
-    delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
+    rows, mmask, qmask, q, do, lse, delta = _query_block(Q, DO, LSE, DELTA, start, i0, L, hh, s_q_t, s_q_h,
+                                                         s_do_t, s_do_h, s_lse_t, offs, offs_k, kmask)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
     w = tl.arange(0, 2 * BLOCK)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
@@ -176,11 +195,7 @@ def _bwd_dq_kernel(
     run_slot = tl.zeros([], tl.int32) - 1  # slot of the current run of rank-1 tiles
     run_g = tl.zeros([BLOCK], tl.float32)  # its per-row sum of G
     for j0 in range(0, L, BLOCK):
-        nmask = (j0 + offs) < L
-        cols = start + j0 + offs.to(tl.int64)
-        kv_mask = nmask[:, None] & kmask[None, :]
-        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        cols, nmask, kv_mask, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask)
         p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                                offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
                                C2P, P2C, BLOCK, PREC, LOWP)
@@ -239,11 +254,7 @@ def _bwd_dkdv_kernel(
     offs = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
-    nmask = (j0 + offs) < L
-    cols = start + j0 + offs.to(tl.int64)
-    kv_mask = nmask[:, None] & kmask[None, :]
-    k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    cols, nmask, kv_mask, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
     w = tl.arange(0, 2 * BLOCK)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
@@ -254,13 +265,8 @@ def _bwd_dkdv_kernel(
     run_slot = tl.zeros([], tl.int32) - 1
     run_g = tl.zeros([BLOCK], tl.float32)  # per-key sum of G over the current rank-1 run
     for i0 in range(0, L, BLOCK):
-        mmask = (i0 + offs) < L
-        rows = start + i0 + offs.to(tl.int64)
-        qmask = mmask[:, None] & kmask[None, :]
-        q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
-        lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
-        delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
+        rows, mmask, qmask, q, do, lse, delta = _query_block(Q, DO, LSE, DELTA, start, i0, L, hh, s_q_t, s_q_h,
+                                                             s_do_t, s_do_h, s_lse_t, offs, offs_k, kmask)
         p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                                offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
                                C2P, P2C, BLOCK, PREC, LOWP)
@@ -295,9 +301,8 @@ def _bwd_dkdv_kernel(
         if run_slot >= 0:
             tl.atomic_add(DPQh + run_slot.to(tl.int64) * s_dpq_r + offs_k,
                           tl.sum(k.to(tl.float32) * run_g[:, None], 0), mask=kmask, sem="relaxed")
-    out = start + j0 + offs.to(tl.int64)
-    tl.store(DK + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + cols[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + cols[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 # ---- launcher ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from packedenc.kernels.triton.deberta_attention import _slot
-from packedenc.kernels.triton.deberta_attention_bwd import _probs_and_grad
+from packedenc.kernels.triton.deberta_attention_bwd import _key_block, _probs_and_grad, _query_block
 
 __all__ = ["_bwd_onepass_kernel"]
 
@@ -48,11 +48,7 @@ def _bwd_onepass_kernel(
     offs = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
-    nmask = (j0 + offs) < L
-    cols = start + j0 + offs.to(tl.int64)
-    kv_mask = nmask[:, None] & kmask[None, :]
-    k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    cols, nmask, kv_mask, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)
     w = tl.arange(0, 2 * BLOCK)
     PKh, PQh = PK + hh * s_pk_h, PQ + hh * s_pq_h
@@ -67,13 +63,8 @@ def _bwd_onepass_kernel(
     run_pk = tl.zeros([BLOCK_K], tl.float32)
     run_gn = tl.zeros([BLOCK], tl.float32)
     for i0 in range(0, L, BLOCK):
-        mmask = (i0 + offs) < L
-        rows = start + i0 + offs.to(tl.int64)
-        qmask = mmask[:, None] & kmask[None, :]
-        q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
-        lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
-        delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
+        rows, mmask, qmask, q, do, lse, delta = _query_block(Q, DO, LSE, DELTA, start, i0, L, hh, s_q_t, s_q_h,
+                                                             s_do_t, s_do_h, s_lse_t, offs, offs_k, kmask)
         p, g = _probs_and_grad(q, k, v, do, lse, delta, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r,
                                offs_k, kmask, idx, mmask[:, None] & nmask[None, :], qk_scale, scale,
                                C2P, P2C, BLOCK, PREC, LOWP)
@@ -131,9 +122,8 @@ def _bwd_onepass_kernel(
     if C2P or P2C:
         if run_slot >= 0:
             _flush_run(DPKh, DPQh, run_slot, run_pk, run_gn, k, s_dpk_r, s_dpq_r, offs_k, kmask, C2P, P2C)
-    out = start + j0 + offs.to(tl.int64)
-    tl.store(DK + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + cols[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + cols[:, None] * s_dk_t + hh * s_dk_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
