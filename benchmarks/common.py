@@ -18,6 +18,7 @@ import statistics
 import time
 import traceback
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -255,6 +256,20 @@ def peak_memory_gb(device: torch.device) -> tuple[float | None, float | None]:
     if device.type != "cuda":
         return None, None
     return torch.cuda.max_memory_reserved(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
+
+
+@contextmanager
+def module_switches(where: dict[str, Any], switches: dict[str, Any]):
+    """Set module-level kernel choices (`where[name]` is the module holding `name`) for the block,
+    restored after it: how a benchmark variant of a system differs from the default."""
+    old = {k: getattr(where[k], k) for k in switches}
+    try:
+        for k, v in switches.items():
+            setattr(where[k], k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(where[k], k, v)
 
 
 # ---- systems and the runner ---------------------------------------------------------------------

@@ -52,6 +52,7 @@ from packedenc.models.graph_transformer import GraphTransformerConfig, init
 from packedenc.pytree import tree_cast, tree_leaves, tree_map
 
 from benchmarks import graph_ops
+from benchmarks.common import module_switches
 from benchmarks.report import git_commit, gpu_slug
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -189,14 +190,8 @@ def packedenc_variant(**switches: Any) -> Callable[[Any, dict[str, Any]], Tensor
     where = {"LOWP_CORE": ga, "RECOMPUTE_FFN_ACTIVATION": fw}
 
     def run(params, b: dict[str, Any]) -> Tensor:
-        old = {k: getattr(where[k], k) for k in switches}
-        try:
-            for k, v in switches.items():
-                setattr(where[k], k, v)
+        with module_switches(where, switches):
             return packedenc_encode(params, b)
-        finally:
-            for k, v in old.items():
-                setattr(where[k], k, v)
 
     return run
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import packedenc as pe
-from benchmarks.common import Batch, Workload
+from benchmarks.common import Batch, Workload, module_switches
 
 LR = 1e-5  # small: the timed steps should not drive random weights anywhere strange
 
@@ -124,14 +124,8 @@ class PackedencTrain(TrainSystem):
     def step(self, inputs: Any) -> Tensor:
         from packedenc.kernels.triton import deberta_attention_bwd as db
 
-        old = {k: getattr(db, k) for k in self.switches}
-        try:
-            for k, v in self.switches.items():
-                setattr(db, k, v)
+        with module_switches({k: db for k in self.switches}, self.switches):
             return super().step(inputs)
-        finally:
-            for k, v in old.items():
-                setattr(db, k, v)
 
     def setup(self) -> None:
         self.params = _trainable(self.host_params, self.device)
