@@ -67,38 +67,37 @@ def deberta_kernel(dev):
             ms = common.median_ms(f)
             rows.append((name, label, ms, mult * flops / ms / 1e9))
 
-        for lowp in (True, False):  # band scores gathered in fp16 vs fp32 (`LOWP_GATHER`)
-            da.LOWP_GATHER = lowp
-            f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
-            f()
-            timed(f"fwd lowp={int(lowp)}", f)
-            o, lse = da.deberta_attention_fwd(*args)
-            do = torch.randn_like(o)
-            f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
-            f()
-            timed(f"bwd lowp={int(lowp)}", f, 2.5)
-        da.LOWP_GATHER = True
+        for lowp in (False, True):  # band scores gathered in fp32 vs fp16 (`LOWP_GATHER`; True ships)
+            with common.module_switches({"LOWP_GATHER": da}, {"LOWP_GATHER": lowp}):
+                f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
+                f()
+                timed(f"fwd lowp={int(lowp)}", f)
+                o, lse = da.deberta_attention_fwd(*args)
+                do = torch.randn_like(o)
+                f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
+                f()
+                timed(f"bwd lowp={int(lowp)}", f, 2.5)
         # 64-row tiles (wgmma, warp-local c2p gathers) need 8 warps (4 spill ~1.3 KB, sm_90 ptxas);
         # Triton 3.6's pipeliner failed on them at 3 stages.
         for nw, st in ((8, 2), (8, 1)):
-            da.BLOCK_MAX, da.NUM_WARPS, da.NUM_STAGES = 64, nw, st
-            f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
-            try:
-                f()
-                timed(f"fwd BLOCK 64 w{nw} st{st}", f)
-            except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
-                print(f"BLOCK 64 w{nw} st{st} failed: {type(e).__name__}: {str(e)[:120]}")
-        da.BLOCK_MAX, da.NUM_WARPS, da.NUM_STAGES = 32, 4, 3
+            tile = {"BLOCK_MAX": 64, "NUM_WARPS": nw, "NUM_STAGES": st}
+            with common.module_switches(dict.fromkeys(tile, da), tile):
+                f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
+                try:
+                    f()
+                    timed(f"fwd BLOCK 64 w{nw} st{st}", f)
+                except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
+                    print(f"BLOCK 64 w{nw} st{st} failed: {type(e).__name__}: {str(e)[:120]}")
         # one kernel recomputing each tile once (dq by atomics) vs the dq + dk/dv pair
         want = db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])
         for nw in (4, 8):
-            db.ONE_PASS, db.NUM_WARPS_ONEPASS = True, nw
-            f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
-            got = f()
-            rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-                      for a, b in zip(got, want))
-            timed(f"bwd one-pass w{nw} (rel {rel:.0e})", f, 2.5)
-        db.ONE_PASS, db.NUM_WARPS_ONEPASS = False, 8
+            one = {"ONE_PASS": True, "NUM_WARPS_ONEPASS": nw}
+            with common.module_switches(dict.fromkeys(one, db), one):
+                f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
+                got = f()
+                rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+                          for a, b in zip(got, want))
+                timed(f"bwd one-pass w{nw} (rel {rel:.0e})", f, 2.5)
         # Which position term costs what: c2p gathers along the tile's rows, p2c along its columns.
         for terms, (tk, tq) in {"c2p": (pk, None), "p2c": (None, pq), "none": (None, None)}.items():
             a2 = (q, k, v, cu, L, tk, tq, *args[7:])

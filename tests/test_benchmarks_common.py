@@ -179,3 +179,20 @@ def test_encode_cli_end_to_end_on_cpu(tmp_path, capsys):
     assert cell[("packedenc", "query")]["probe_min_cos"] > 0.9999
     assert cell[("hf-sdpa", "query")]["probe_min_cos"] > 0.9999
     assert "environment: torch=" in out and "system" in out
+
+
+def test_module_switches_set_flags_for_the_block_and_restore_them_even_on_error():
+    import types
+
+    from benchmarks.common import module_switches
+
+    m = types.SimpleNamespace(ONE_PASS=False, WARPS=4)
+    with module_switches({"ONE_PASS": m, "WARPS": m}, {"ONE_PASS": True, "WARPS": 8}):
+        assert (m.ONE_PASS, m.WARPS) == (True, 8)
+    assert (m.ONE_PASS, m.WARPS) == (False, 4)
+    try:
+        with module_switches({"WARPS": m}, {"WARPS": 2}):
+            raise RuntimeError("a variant failed")
+    except RuntimeError:
+        pass
+    assert m.WARPS == 4
