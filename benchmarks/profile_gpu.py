@@ -77,27 +77,23 @@ def deberta_kernel(dev):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
                 f()
                 timed(f"bwd lowp={int(lowp)}", f, 2.5)
-        # 64-row tiles (wgmma, warp-local c2p gathers) need 8 warps (4 spill ~1.3 KB, sm_90 ptxas);
-        # Triton 3.6's pipeliner failed on them at 3 stages.
-        for nw, st in ((8, 2), (8, 1)):
-            tile = {"BLOCK_MAX": 64, "NUM_WARPS": nw, "NUM_STAGES": st}
-            with common.module_switches(dict.fromkeys(tile, da), tile):
-                f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
-                try:
-                    f()
-                    timed(f"fwd BLOCK 64 w{nw} st{st}", f)
-                except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
-                    print(f"BLOCK 64 w{nw} st{st} failed: {type(e).__name__}: {str(e)[:120]}")
-        # one kernel recomputing each tile once (dq by atomics) vs the dq + dk/dv pair
+        # backward variants vs the shipped one (one kernel recomputing each tile once, dq by atomics):
+        # the dq + dk/dv pair, warps, pipeline stages, 16-row tiles
         want = db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])
-        for nw in (4, 8):
-            one = {"ONE_PASS": True, "NUM_WARPS_ONEPASS": nw}
-            with common.module_switches(dict.fromkeys(one, db), one):
+        variants = {"pair": {"ONE_PASS": False}, "one-pass w8": {"NUM_WARPS_ONEPASS": 8},
+                    "one-pass st2": {"NUM_STAGES_ONEPASS": 2}, "one-pass st1": {"NUM_STAGES_ONEPASS": 1},
+                    "one-pass B16": {"BLOCK_MAX_BWD": 16}}
+        for label, sw in variants.items():
+            with common.module_switches(dict.fromkeys(sw, db), sw):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
-                got = f()
+                try:
+                    got = f()
+                except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
+                    print(f"bwd {label} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
                 rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
                           for a, b in zip(got, want))
-                timed(f"bwd one-pass w{nw} (rel {rel:.0e})", f, 2.5)
+                timed(f"bwd {label} (rel {rel:.0e})", f, 2.5)
         # Which position term costs what: c2p gathers along the tile's rows, p2c along its columns.
         for terms, (tk, tq) in {"c2p": (pk, None), "p2c": (None, pq), "none": (None, None)}.items():
             a2 = (q, k, v, cu, L, tk, tq, *args[7:])
@@ -120,11 +116,16 @@ def deberta_kernel(dev):
         print(f"{r[0]:10s} {r[1]:24s} {r[2]:8.3f} {r[3]:18.1f}", flush=True)
 
 
-def train_profile(dev):
+TRAIN_CASES = (("modernbert-base", "packedenc", "doc-64k"), ("modernbert-base", "torch-packed", "doc-64k"),
+               ("deberta-v3-base", "packedenc", "doc1k-64k"))
+
+
+def train_profile(dev, models=None):
     from benchmarks import train as tr
 
-    for model, sysname, wname in (("modernbert-base", "packedenc", "doc-64k"), ("modernbert-base", "torch-packed", "doc-64k"),
-                                  ("deberta-v3-base", "packedenc", "doc1k-64k")):
+    for model, sysname, wname in TRAIN_CASES:
+        if models and model not in models:
+            continue
         bench = tr.benches(False)[model]
         host = bench.make_params()
         vocab = host.config.vocab_size
@@ -151,11 +152,15 @@ def train_profile(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", nargs="*", default=["host", "kernel", "train"])
+    ap.add_argument("--models", nargs="*", help="train part: only these models (default: all)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     for p in a.parts:
         try:
-            {"host": deberta_host, "kernel": deberta_kernel, "train": train_profile}[p](dev)
+            if p == "train":
+                train_profile(dev, a.models)
+            else:
+                {"host": deberta_host, "kernel": deberta_kernel}[p](dev)
         except Exception:  # noqa: BLE001
             import traceback
 

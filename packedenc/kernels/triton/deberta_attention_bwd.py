@@ -312,9 +312,12 @@ NUM_WARPS_BWD = 4  # H200: 4 warps 1.3-1.7x faster than 8 at K = 64 despite <= 2
 # K = 128 keeps 8 (4 would spill ~1 KB per thread)
 NUM_STAGES_BWD = 3  # H200: ~2% faster than 2
 # One kernel that recomputes each tile once (`deberta_bwd_onepass.py`; dq by fp32 atomics) instead
-# of the dq + dk/dv pair that recomputes it twice. Off until timed on a GPU against the pair.
-ONE_PASS = False
-NUM_WARPS_ONEPASS = 8  # sm_90 ptxas (Triton 3.9): 4 warps spill ~360 bytes a thread, 8 warps ~4
+# of the dq + dk/dv pair that recomputes it twice. H200, 64k-token doc1k pack, K = 64
+# (`profile_gpu --parts kernel`, d494f78): 13.7 ms on 4 warps vs 17.6 for the pair (17.3 on 8 warps);
+# one 8192-token sequence 11.4 vs 18.1.
+ONE_PASS = True
+NUM_WARPS_ONEPASS = 4  # sm_90 ptxas spills ~360 bytes a thread on 4 warps, and 4 is still 1.27x faster than 8
+NUM_STAGES_ONEPASS = 3
 
 
 def deberta_attention_bwd(
@@ -359,7 +362,8 @@ def deberta_attention_bwd(
                     *common, dq32.stride(0), dq32.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
                     dpk_.stride(0), dpk_.stride(-2), dpq_.stride(0), dpq_.stride(-2),
                     half, scale * LOG2E, scale,
-                    **{**meta, "num_warps": 4 if BLOCK <= 16 else NUM_WARPS_ONEPASS if Kd <= 64 else 8},
+                    **{**meta, "num_warps": 4 if BLOCK <= 16 else NUM_WARPS_ONEPASS if Kd <= 64 else 8,
+                       "num_stages": NUM_STAGES_ONEPASS},
                 )
             dq.copy_(dq32)
         else:
