@@ -77,12 +77,17 @@ def deberta_kernel(dev):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
                 f()
                 timed(f"bwd lowp={int(lowp)}", f, 2.5)
+        for st in (1, 2):  # forward pipeline stages (3 ship)
+            with common.module_switches({"NUM_STAGES": da}, {"NUM_STAGES": st}):
+                f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
+                f()
+                timed(f"fwd st{st}", f)
         # backward variants vs the shipped one (one kernel recomputing each tile once, dq by atomics):
-        # the dq + dk/dv pair, warps, pipeline stages, 16-row tiles
+        # the dq + dk/dv pair, warps, pipeline stages (16-row tiles: 2.1x slower, 582806b)
         want = db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])
-        variants = {"pair": {"ONE_PASS": False}, "one-pass w8": {"NUM_WARPS_ONEPASS": 8},
-                    "one-pass st2": {"NUM_STAGES_ONEPASS": 2}, "one-pass st1": {"NUM_STAGES_ONEPASS": 1},
-                    "one-pass B16": {"BLOCK_MAX_BWD": 16}}
+        variants = {"pair": {"ONE_PASS": False}, "pair st1": {"ONE_PASS": False, "NUM_STAGES_BWD": 1},
+                    "one-pass w8": {"NUM_WARPS_ONEPASS": 8}, "one-pass st2": {"NUM_STAGES_ONEPASS": 2},
+                    "one-pass st3": {"NUM_STAGES_ONEPASS": 3}}
         for label, sw in variants.items():
             with common.module_switches(dict.fromkeys(sw, db), sw):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731

@@ -108,6 +108,18 @@ def test_op_opcheck_compile_and_no_grad():
         CE.linear_cross_entropy(x, w.double(), b, t)
 
 
+def test_saved_gradient_rows_are_aligned():
+    """G (the saved softmax - onehot) has a 64-element row stride whatever the vocab, so the CUDA
+    GEMMs that read and write it get 16-byte aligned rows; its values are the reference's."""
+    x, w, b, t = _case(5, 8, 19, torch.float32)
+    loss, grad = torch.ops.packedenc.linear_cross_entropy(x, w, b, t)
+    assert grad.shape == (5, 19) and grad.stride() == (CE.ROW_ALIGN, 1)
+    logits = F.linear(x, w, b)
+    want = torch.softmax(logits, -1) - F.one_hot(t, 19)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, t, reduction="none"))
+
+
 def test_mlm_loss_fused_equals_logits_path():
     """losses.mlm_loss through the op (forced: on the CPU `auto` is the reference) equals
     F.cross_entropy on `mlm_logits` for a tiny ModernBERT, with the gradient of every leaf."""
@@ -143,11 +155,12 @@ def test_mlm_loss_fused_equals_logits_path():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [50368, 128100])  # ModernBERT's; DeBERTa-v3's (rows padded to 128128)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_linear_cross_entropy(dtype):
-    """Realistic shape (ModernBERT vocab, a few thousand masked rows): fp32 to 1e-4 relative,
+def test_gpu_linear_cross_entropy(dtype, vocab):
+    """Realistic shape (a real vocab, a few thousand masked rows): fp32 to 1e-4 relative,
     bf16 by the 2x rule; the kernel's G is the only (M, V) tensor kept for the backward."""
-    x, w, b, t = _case(3000, 768, 50368, torch.float32, "cuda", ignore=(5,))
+    x, w, b, t = _case(3000, 768, vocab, torch.float32, "cuda", ignore=(5,))
     x, w, b = (a.to(dtype).float() for a in (x, w * 0.1, b))  # representable: only compute rounding counts
     cot = torch.full((3000,), 1 / 2999, device="cuda").to(dtype)
     kern = get_ops("triton", "cuda").linear_cross_entropy

@@ -92,8 +92,32 @@ def ce_grad_(logits_MV: Tensor, targets_M: Tensor, block_v: int | None = None) -
     return loss
 
 
-def _logits(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(x, weight, bias)  # = addmm(bias, x, W^T): the unfused head's call and rounding
+# Row stride of the (M, V) logits / G buffer, in elements. Rows that start 16-byte aligned let
+# cuBLAS pick its sm90 (TMA) GEMMs for the logits and both backward GEMMs; DeBERTa-v3's
+# 128100-word vocab (256,200-byte bf16 rows) otherwise ran on sm80 kernels, 7.3-8.3 ms each on an
+# H200 for a 64k-token pack's ~10k masked rows (`benchmarks/profile_gpu.py --parts train`).
+ROW_ALIGN = 64
+
+
+def _padded(V: int) -> int:
+    return -(-V // ROW_ALIGN) * ROW_ALIGN
+
+
+def _padded_head(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """W and b with zero rows appended up to `_padded(V)` rows (themselves when already aligned)."""
+    pad = _padded(weight.shape[0]) - weight.shape[0]
+    if not pad:
+        return weight, bias
+    return F.pad(weight, (0, 0, 0, pad)), (F.pad(bias, (0, pad)) if bias is not None else None)
+
+
+def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, V: int) -> Tensor:
+    """x @ W^T + b for a padded head (`_padded_head`) as an (M, V) view with an aligned row stride.
+
+    One GEMM, `F.linear` (= addmm(bias, x, W^T), the unfused head's call): it writes the aligned
+    rows directly, no copy of the logits.
+    """
+    return F.linear(x, weight, bias)[:, :V]
 
 
 def _ce_grad_torch(logits_MV: Tensor, targets_M: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,23 +140,25 @@ def _ce_grad_torch(logits_MV: Tensor, targets_M: Tensor) -> tuple[Tensor, Tensor
 def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
     M, V = x.shape[0], weight.shape[0]
     loss = torch.empty(M, dtype=torch.float32)
-    grad = torch.empty((M, V), dtype=x.dtype)
+    grad = torch.empty((M, _padded(V)), dtype=x.dtype)[:, :V]  # the CUDA kernel's layout
     rows = max(1, CPU_CHUNK_ELEMS // max(V, 1))
+    w, b = _padded_head(weight, bias)
     for r0 in range(0, M, rows):  # no (M, V) fp32 tensor at once
         r1 = min(M, r0 + rows)
-        loss[r0:r1], grad[r0:r1] = _ce_grad_torch(_logits(x[r0:r1], weight, bias), targets[r0:r1])
+        loss[r0:r1], grad[r0:r1] = _ce_grad_torch(_logits(x[r0:r1], w, b, V), targets[r0:r1])
     return loss, grad
 
 
 @_linear_ce.register_kernel("cuda")
 def _(x, weight, bias, targets):
-    grad = _logits(x, weight, bias)
+    grad = _logits(x, *_padded_head(weight, bias), weight.shape[0])
     return ce_grad_(grad, targets), grad
 
 
 @_linear_ce.register_fake
 def _(x, weight, bias, targets):
-    return x.new_empty((x.shape[0],), dtype=torch.float32), x.new_empty((x.shape[0], weight.shape[0]))
+    M, V = x.shape[0], weight.shape[0]
+    return x.new_empty((M,), dtype=torch.float32), x.new_empty((M, _padded(V)))[:, :V]
 
 
 def _setup(ctx, inputs, output):

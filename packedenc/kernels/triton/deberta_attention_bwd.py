@@ -313,11 +313,11 @@ NUM_WARPS_BWD = 4  # H200: 4 warps 1.3-1.7x faster than 8 at K = 64 despite <= 2
 NUM_STAGES_BWD = 3  # H200: ~2% faster than 2
 # One kernel that recomputes each tile once (`deberta_bwd_onepass.py`; dq by fp32 atomics) instead
 # of the dq + dk/dv pair that recomputes it twice. H200, 64k-token doc1k pack, K = 64
-# (`profile_gpu --parts kernel`, d494f78): 13.7 ms on 4 warps vs 17.6 for the pair (17.3 on 8 warps);
-# one 8192-token sequence 11.4 vs 18.1.
+# (`profile_gpu --parts kernel`, 582806b): 11.7 ms (4 warps, 1 stage) vs 17.5 for the pair;
+# one 8192-token sequence 11.1 vs 18.3.
 ONE_PASS = True
-NUM_WARPS_ONEPASS = 4  # sm_90 ptxas spills ~360 bytes a thread on 4 warps, and 4 is still 1.27x faster than 8
-NUM_STAGES_ONEPASS = 3
+NUM_WARPS_ONEPASS = 4  # sm_90 ptxas spills ~360 bytes a thread on 4 warps; 8 warps: 17.5 ms
+NUM_STAGES_ONEPASS = 1  # 3 stages: 13.9 ms, 2: 13.8 (the pipelined loads compete with the spills)
 
 
 def deberta_attention_bwd(
