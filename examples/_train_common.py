@@ -9,6 +9,7 @@ Under torchrun, `distributed_device` joins the process group (one process per GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -28,24 +29,56 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="'tiny' (random, CPU-friendly) or a folder / hub id")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default: 1e-3 for 'tiny', 2e-5 for a loaded checkpoint)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="where to save the fine-tuned model (default: a temp folder)")
     return p
 
 
+def parse_args(doc: str) -> argparse.Namespace:
+    """The examples' command line. A loaded (base-size, pretrained) model fine-tunes at 2e-5: the
+    tiny model's 1e-3 made a random ModernBERT-base's contrastive loss go up (CPU, 30 steps)."""
+    args = parser(doc).parse_args()
+    if args.lr is None:
+        args.lr = 1e-3 if args.model == "tiny" else 2e-5
+    return args
+
+
 def load_model(name: str, device: str, heads: tuple[str, ...] = (), num_labels: int = 0):
     """fp32 master weights on `device`; the forward runs in bf16 on CUDA (compute_dtype)."""
     if name == "tiny":
-        cfg = TINY
-        if num_labels:
-            import dataclasses
-
-            cfg = dataclasses.replace(cfg, id2label=tuple((i, f"LABEL_{i}") for i in range(num_labels)))
-        params = pe.init(cfg, torch.Generator().manual_seed(0), heads=heads)
+        params = pe.init(_with_labels(TINY, num_labels), torch.Generator().manual_seed(0), heads=heads)
     else:
-        params = pe.load(name, dtype=torch.float32)
+        params = with_heads(pe.load(name, dtype=torch.float32), heads, num_labels)
     return pe.tree_to(params, device)
+
+
+def _with_labels(cfg, num_labels: int):
+    if not num_labels or cfg.num_labels == num_labels:
+        return cfg
+    return dataclasses.replace(cfg, id2label=tuple((i, f"LABEL_{i}") for i in range(num_labels)))
+
+
+def with_heads(params, heads: tuple[str, ...], num_labels: int = 0):
+    """A loaded checkpoint with the task heads the example needs. Pieces the checkpoint lacks (a bare
+    encoder has no MLM decoder or classifier; a classifier of another label count does not fit)
+    are freshly initialised, as transformers' `from_pretrained` does for a task class; every piece
+    the checkpoint has is kept."""
+    cfg = _with_labels(params.config, num_labels)
+    fits = {"mlm": params.decoder is not None,
+            "classifier": params.classifier is not None and cfg is params.config}
+    if all(fits[h] for h in heads):
+        return params
+    fresh = pe.init(cfg, torch.Generator().manual_seed(0), heads=tuple(heads))
+    keep = {"embeddings": params.embeddings, "layers": params.layers, "final_norm": params.final_norm}
+    if params.head is not None:
+        keep["head"] = params.head
+    if fits["mlm"]:
+        keep["decoder"] = params.decoder
+    if fits["classifier"]:
+        keep["classifier"] = params.classifier
+    return dataclasses.replace(fresh, **keep)
 
 
 def compute_dtype(device: str) -> torch.dtype | None:

@@ -7,7 +7,7 @@ python examples/classify.py [--model tiny|FOLDER] [--steps N]
 import torch
 
 import packedenc as pe
-from examples._train_common import (compute_dtype, load_model, optimizer, parser, random_sequences, report,
+from examples._train_common import (compute_dtype, load_model, optimizer, parse_args, random_sequences, report,
                                     save_and_check, trainable)
 from packedenc.losses import classification_loss
 from packedenc.models import modernbert
@@ -24,7 +24,7 @@ def make_batch(n: int, vocab: int, g: torch.Generator, device: str):
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    args = parse_args(__doc__)
     params = trainable(load_model(args.model, args.device, heads=("classifier",), num_labels=2))
     opt = optimizer(params, args.lr)
     g = torch.Generator().manual_seed(args.seed)

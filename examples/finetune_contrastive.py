@@ -16,7 +16,7 @@ import torch
 
 import packedenc as pe
 from examples._train_common import (compute_dtype, distributed_device, finish, load_model, mean_over_ranks, optimizer,
-                                    parser, random_sequences, report, save_and_check, trainable)
+                                    parse_args, random_sequences, report, save_and_check, trainable)
 from packedenc import distributed as pdist
 from packedenc.losses import info_nce
 
@@ -39,7 +39,7 @@ def contrastive_loss(params, q, d, dt):
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    args = parse_args(__doc__)
     args.device = distributed_device(args.device)
     model = pdist.wrap(trainable(load_model(args.model, args.device)))  # DDP under torchrun, else a plain module
     opt = optimizer(list(model.parameters()), args.lr)

@@ -8,7 +8,7 @@ activation dtype, their fp32 copy and fp32 log-softmax, and its backward allocat
 masked: M ~ 19k, V = 50368, ~12 GB transient and ~8 ms on an H200). Here:
 
 - forward: the logits `x @ W^T + b` come from one GEMM in x's dtype (the same call and rounding as
-  `F.linear`), then `_ce_kernel` takes one row per program: pass 1 reads the row for an online
+  `F.linear`; rows padded to an aligned stride, `ROW_ALIGN`), then `_ce_kernel` takes one row per program: pass 1 reads the row for an online
   max / sum of exp in fp32 (the loss is lse - x[target]); pass 2 reads it again and overwrites it
   with softmax - onehot, rounded once to x's dtype. That buffer, G, is the only (M, V) tensor and
   is what autograd saves.
