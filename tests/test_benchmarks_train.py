@@ -30,7 +30,7 @@ def test_records_have_the_issue_fields_and_every_system(tiny_run):
         ("modernbert-tiny", "torch-packed", "doc"), ("modernbert-tiny", "torch-packed", "doc-1k"),
         ("modernbert-tiny", "hf-sdpa", "doc"),
         ("deberta-tiny", "packedenc", "doc1k"), ("deberta-tiny", "packedenc", "doc1k-1k"),
-        ("deberta-tiny", "packedenc[bwd=one-pass]", "doc1k"), ("deberta-tiny", "packedenc[bwd=one-pass]", "doc1k-1k"),
+        ("deberta-tiny", "packedenc[bwd=pair]", "doc1k"), ("deberta-tiny", "packedenc[bwd=pair]", "doc1k-1k"),
         ("deberta-tiny", "hf-eager", "doc1k"),
     }
     assert by[("modernbert-tiny", "hf-sdpa", "doc-1k")]["status"] == "skipped"  # HF pads: no token-budget packs
