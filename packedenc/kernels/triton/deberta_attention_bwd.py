@@ -1,4 +1,4 @@
-"""Backward of the packed DeBERTa disentangled attention: two Triton kernels and the plain-torch spec.
+"""Backward of the packed DeBERTa disentangled attention: the two-kernel path, the launcher and the plain-torch spec.
 
 Shapes: T packed tokens, S sequences, H heads, K head dim, R position-table rows, L max_seqlen,
 M = N = BLOCK tile rows, W = 2 * BLOCK band distances (see `deberta_attention.py`).
@@ -18,8 +18,13 @@ the adds need no ordering with other memory, and Triton's default acq_rel fences
 tiles (one slot) add a row sum of G times the table row; their table gradient is summed in
 registers over a run of tiles with the same slot and added once per run.
 
-Determinism: dq, dk, dv are bitwise reproducible; dPK / dPQ are fp32 atomics summed in whatever
-order the programs finish, so they vary in the last bits from run to run.
+The launcher runs the one-pass kernel (`deberta_bwd_onepass.py`, `ONE_PASS = True`: one program
+per key block recomputes each tile once, dq by fp32 atomics; 1.5x faster on an H200) unless
+`ONE_PASS` is False, which gives this module's pair.
+
+Determinism: dPK / dPQ are fp32 atomics summed in whatever order the programs finish, so they vary
+in the last bits from run to run; so does dq on the one-pass path. With the pair, dq, dk, dv are
+bitwise reproducible.
 
 `reference_bwd` is the same gradient written out in plain torch on the padded grid: the CPU
 implementation of the registered backward op and the spec the kernels are tested against.
