@@ -287,3 +287,28 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     if r.returncode and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
         pytest.skip("this Triton wheel ships no ptxas")
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("one_pass, types, alerts", [(True, ("c2p", "p2c"), True), (True, (), True),
+                                                      (False, ("c2p",), True), (False, (), False)])
+def test_backward_is_flagged_under_deterministic_mode(one_pass, types, alerts, monkeypatch):
+    """Paths that sum with atomics (the table gradients; dq in the one-pass kernel) raise under
+    torch.use_deterministic_algorithms(True) and warn with warn_only, as torch's own atomic kernels
+    do; the atomics-free path (pair, no tables) runs."""
+    monkeypatch.setattr(DB, "ONE_PASS", one_pass)
+    q, k, v, cu, pk, pq = _inputs([5, 3], types, 4, 6)
+    o, lse = DA.deberta_attention_fwd(q, k, v, cu, 5, pk, pq, 4, 6, 0.2)
+    run = lambda: DB.deberta_attention_bwd(torch.ones_like(o), q, k, v, o, lse, cu, 5, pk, pq, 4, 6, 0.2)  # noqa: E731
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        if alerts:
+            with pytest.raises(RuntimeError, match="packedenc DeBERTa attention backward"):
+                run()
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            with pytest.warns(UserWarning, match="not deterministic"):
+                run()
+        else:
+            run()
+    finally:
+        torch.use_deterministic_algorithms(was)

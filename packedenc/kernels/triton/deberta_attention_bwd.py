@@ -24,13 +24,16 @@ per key block recomputes each tile once, dq by fp32 atomics; 1.5x faster on an H
 
 Determinism: dPK / dPQ are fp32 atomics summed in whatever order the programs finish, so they vary
 in the last bits from run to run; so does dq on the one-pass path. With the pair, dq, dk, dv are
-bitwise reproducible.
+bitwise reproducible. Under `torch.use_deterministic_algorithms(True)` an atomic path raises (warns
+with warn_only=True), as torch's own atomic kernels do.
 
 `reference_bwd` is the same gradient written out in plain torch on the padded grid: the CPU
 implementation of the registered backward op and the spec the kernels are tested against.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
@@ -325,6 +328,17 @@ NUM_WARPS_ONEPASS = 4  # sm_90 ptxas spills ~360 bytes a thread on 4 warps; 8 wa
 NUM_STAGES_ONEPASS = 1  # 3 stages: 13.9 ms, 2: 13.8 (the pipelined loads compete with the spills)
 
 
+def _alert_not_deterministic() -> None:
+    """fp32 atomic sums (module docstring): an error under torch.use_deterministic_algorithms(True),
+    a warning with warn_only=True, as torch's own atomic-based CUDA kernels do."""
+    if torch.are_deterministic_algorithms_enabled():
+        msg = ("packedenc DeBERTa attention backward sums with fp32 atomics and is not deterministic "
+               "(only the pair path, deberta_attention_bwd.ONE_PASS = False, without position tables is)")
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(msg)
+        warnings.warn(msg, stacklevel=3)
+
+
 def deberta_attention_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
     pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
@@ -335,6 +349,8 @@ def deberta_attention_bwd(
     `o` and `lse` are the forward's outputs (lse from `deberta_attention_fwd(store_lse=True)`).
     """
     check_inputs(q, k, v, cu_seqlens, pos_key, pos_query)
+    if ONE_PASS or pos_key is not None or pos_query is not None:
+        _alert_not_deterministic()
     T, H, Kd = q.shape
     S = cu_seqlens.numel() - 1
     do = do if do.stride(-1) == 1 else do.contiguous()
