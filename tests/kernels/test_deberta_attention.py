@@ -312,3 +312,20 @@ def test_backward_is_flagged_under_deterministic_mode(one_pass, types, alerts, m
             run()
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def test_register_caps_reach_the_launches(monkeypatch):
+    """`MAXNREG` / `MAXNREG_ONEPASS` / `MAXNREG_BWD` become Triton's `maxnreg` launch option (the
+    interpreter ignores it, so results equal the reference); unset, no option is passed."""
+    assert "maxnreg" not in DA.launch_config(32)
+    monkeypatch.setattr(DA, "MAXNREG", 128)
+    assert DA.launch_config(32)["maxnreg"] == 128
+    for one_pass in (True, False):
+        monkeypatch.setattr(DB, "ONE_PASS", one_pass)
+        monkeypatch.setattr(DB, "MAXNREG_ONEPASS" if one_pass else "MAXNREG_BWD", 168)
+        q, k, v, cu, pk, pq = _inputs([5, 3], ("c2p", "p2c"), 4, 6)
+        o, lse = DA.deberta_attention_fwd(q, k, v, cu, 5, pk, pq, 4, 6, 0.2)
+        got = DB.deberta_attention_bwd(torch.ones_like(o), q, k, v, o, lse, cu, 5, pk, pq, 4, 6, 0.2)
+        want = DB.reference_bwd(torch.ones_like(o), q, k, v, cu, 5, pk, pq, 4, 6, 0.2)
+        for a, b in zip(got, want):
+            assert err(a, b) <= 1e-5 * max(1.0, b.abs().max().item())

@@ -46,7 +46,7 @@ from packedenc.kernels.triton._common import check_float, direct_launch
 from packedenc.kernels.triton.deberta_slots import NO_SATURATION, _slot, saturation, slot_table, table_slots
 
 __all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config",
-           "seq_chunks"]
+           "register_cap", "seq_chunks"]
 
 LOG2E = 1.4426950408889634
 
@@ -241,9 +241,21 @@ def block_size(max_seqlen: int) -> int:
     return max(16, min(BLOCK_MAX, triton.next_power_of_2(max(int(max_seqlen), 1))))
 
 
+# Register cap per thread (Triton's `maxnreg`; None: ptxas decides). The sm_90 compile of the
+# 32-row, 4-warp forward uses 238 registers and 45 KB of shared memory, so registers allow 2 programs
+# (8 warps) per SM; 168 allows 3 (84 bytes of spills), 128 allows 4 (308 bytes). Not timed yet.
+MAXNREG: int | None = None
+
+
 def launch_config(block: int, head_dim: int = 64) -> dict:
     """Forward launch options. Wide heads (K = 128) keep 8 warps: with 4 they spill (sm_90 ptxas)."""
-    return dict(num_warps=4 if block <= 16 else NUM_WARPS if head_dim <= 64 else 8, num_stages=NUM_STAGES)
+    return dict(num_warps=4 if block <= 16 else NUM_WARPS if head_dim <= 64 else 8, num_stages=NUM_STAGES,
+                **register_cap(MAXNREG))
+
+
+def register_cap(maxnreg: int | None) -> dict:
+    """The `maxnreg` launch option when a cap is set (the CPU interpreter accepts and ignores it)."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
 
 
 MAX_GRID_Z = 65535  # CUDA's limit on grid dim 2 (sequences): longer packs launch in chunks

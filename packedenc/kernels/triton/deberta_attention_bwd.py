@@ -43,7 +43,7 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton import deberta_attention as _fwd
 from packedenc.kernels.triton.deberta_attention import (
-    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, seq_chunks, slot_table,
+    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, register_cap, seq_chunks, slot_table,
 )
 
 __all__ = ["deberta_attention_bwd", "reference_bwd"]
@@ -326,6 +326,10 @@ NUM_STAGES_BWD = 3  # H200: ~2% faster than 2
 ONE_PASS = True
 NUM_WARPS_ONEPASS = 4  # sm_90 ptxas spills ~360 bytes a thread on 4 warps; 8 warps: 17.5 ms
 NUM_STAGES_ONEPASS = 1  # 3 stages: 13.9 ms, 2: 13.8 (the pipelined loads compete with the spills)
+# Register caps (`deberta_attention.MAXNREG`): at 255 registers the one-pass kernel runs 2 programs
+# (8 warps) per SM. Not timed yet.
+MAXNREG_BWD: int | None = None
+MAXNREG_ONEPASS: int | None = None
 
 
 def _alert_not_deterministic() -> None:
@@ -384,7 +388,7 @@ def deberta_attention_bwd(
                     dpk_.stride(0), dpk_.stride(-2), dpq_.stride(0), dpq_.stride(-2),
                     half, scale * LOG2E, scale,
                     **{**meta, "num_warps": 4 if BLOCK <= 16 else NUM_WARPS_ONEPASS if Kd <= 64 else 8,
-                       "num_stages": NUM_STAGES_ONEPASS},
+                       "num_stages": NUM_STAGES_ONEPASS, **register_cap(MAXNREG_ONEPASS)},
                 )
             dq.copy_(dq32)
         else:
@@ -393,12 +397,12 @@ def deberta_attention_bwd(
                 _bwd_dq_kernel[grid](
                     q, k, v, pk, pq, table, cu, do, lse, delta, dq, dpk_,
                     *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(-2),
-                    half, scale * LOG2E, scale, **meta,
+                    half, scale * LOG2E, scale, **meta, **register_cap(MAXNREG_BWD),
                 )
                 _bwd_dkdv_kernel[grid](
                     q, k, v, pk, pq, table, cu, do, lse, delta, dk, dv, dpq_,
                     *common, dk.stride(0), dk.stride(1), lse.stride(0), dpq_.stride(0), dpq_.stride(-2),
-                    half, scale * LOG2E, scale, **meta,
+                    half, scale * LOG2E, scale, **meta, **register_cap(MAXNREG_BWD),
                 )
     else:
         for t in (dq, dk, dv):
