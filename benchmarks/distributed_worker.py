@@ -233,11 +233,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"[{args.system} x{result['gpus']}] {result['tokens_per_s'] / 1e3:,.0f}k tokens/s "
               f"(reps {', '.join(f'{s:.3f}s' for s in result['seconds'])}; warm-up {result['warmup_s']:.1f}s)",
               flush=True)
-    if pdist.is_initialized():
-        import gc
-
-        gc.collect()  # the DDP model first: one that outlives its process group can hang on exit
-        torch.distributed.destroy_process_group()
+    pdist.finish()  # the DDP model first: one that outlives its process group can hang on exit
     return 0
 
 

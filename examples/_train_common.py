@@ -140,16 +140,6 @@ def mean_over_ranks(x: torch.Tensor) -> float:
     return x.item() / pdist.world_size()
 
 
-def finish() -> None:
-    """Leave the process group. Call it after the DDP model is gone (e.g. after `main()` returns):
-    a DDP module that outlives its process group can hang in its destructor (seen with gloo)."""
-    if pdist.is_initialized():
-        import gc
-
-        gc.collect()
-        torch.distributed.destroy_process_group()
-
-
 def report(losses: list[float]) -> None:
     k = max(1, len(losses) // 5)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k

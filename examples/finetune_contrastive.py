@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # run as a file (python / torchrun examples/...py
 import torch
 
 import packedenc as pe
-from examples._train_common import (compute_dtype, distributed_device, finish, load_model, mean_over_ranks, optimizer,
+from examples._train_common import (compute_dtype, distributed_device, load_model, mean_over_ranks, optimizer,
                                     parse_args, random_sequences, report, save_and_check, trainable)
 from packedenc import distributed as pdist
 from packedenc.losses import info_nce
@@ -62,4 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish()  # once main's DDP model is freed
+    pdist.finish()  # once main's DDP model is freed

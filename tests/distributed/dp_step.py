@@ -54,7 +54,7 @@ def main(out, mode):
         torch.save(leaves, out)
     if pdist.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    pdist.finish()  # collects the FSDP2 / DDP objects before the group goes
     faulthandler.cancel_dump_traceback_later()
 
 
