@@ -77,9 +77,11 @@ def deberta_kernel(dev):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
                 f()
                 timed(f"bwd lowp={int(lowp)}", f, 2.5)
-        # forward: pipeline stages (3 ship); register caps for more programs per SM (sm_90 compile:
-        # 238 registers allow 2 programs of 4 warps; 168 allow 3, 128 allow 4, with some spills)
-        fwd_variants = {"fwd st2": {"NUM_STAGES": 2}, "fwd maxnreg 168": {"MAXNREG": 168},
+        # forward: pipeline stages (3 ship); far tiles' compact band (`COMPACT_BAND`); register caps for
+        # more programs per SM (sm_90 compile: 238 registers allow 2 programs of 4 warps; 168 allow 3,
+        # 128 allow 4, with some spills)
+        fwd_variants = {"fwd st2": {"NUM_STAGES": 2}, "fwd compact": {"COMPACT_BAND": True},
+                        "fwd maxnreg 168": {"MAXNREG": 168},
                         "fwd maxnreg 128": {"MAXNREG": 128}, "fwd w8 maxnreg 128": {"NUM_WARPS": 8, "MAXNREG": 128}}
         for label, sw in fwd_variants.items():
             with common.module_switches(dict.fromkeys(sw, da), sw):

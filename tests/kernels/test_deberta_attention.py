@@ -257,8 +257,9 @@ p = "*bf16"
 ptrs = dict(Q=p, K=p, V=p, PK=p, PQ=p, SLOT="*i32", CU="*i32", O=p, LSE="*fp32", DO=p, DELTA="*fp32", DQ=p,
             DPK="*fp32", DK=p, DV=p, DPQ="*fp32")
 from packedenc.kernels.triton import deberta_bwd_onepass as OP
-for fn, extra in ((DA._fwd_kernel, dict(STORE_LSE=True, NS=2 * DA.BLOCK_MAX)), (DB._bwd_dq_kernel, {}), (DB._bwd_dkdv_kernel, {}),
-                  (OP._bwd_onepass_kernel, {})):
+fwd = dict(STORE_LSE=True, NS=2 * DA.BLOCK_MAX)
+for fn, extra in ((DA._fwd_kernel, dict(fwd, COMPACT_W=0)), (DA._fwd_kernel, dict(fwd, COMPACT_W=DA.BLOCK_MAX // 2)),
+                  (DB._bwd_dq_kernel, {}), (DB._bwd_dkdv_kernel, {}), (OP._bwd_onepass_kernel, {})):
     consts = dict(HEAD_DIM=64, BLOCK_K=64, BLOCK=DA.BLOCK_MAX, C2P=True, P2C=True, PREC="tf32",
                   LOWP=DA.LOWP_GATHER, **extra)
     kinds = dict(ptrs, DQ="*fp32") if fn is OP._bwd_onepass_kernel else ptrs  # its dq is an fp32 sum
@@ -275,8 +276,9 @@ print("compiled")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile the kernels for real")
 def test_kernels_compile_for_sm90_without_a_gpu():
-    """The interpreter never lowers tl.gather / tl.dot layouts: compile fwd and both backward kernels
-    for an H100/H200 (bf16, K = 64, the shipped tile) ahead of time, no driver needed."""
+    """The interpreter never lowers tl.gather / tl.dot layouts: compile the forward (with and without
+    the compact band) and the backward kernels for an H100/H200 (bf16, K = 64, the shipped tile)
+    ahead of time, no driver needed."""
     import os
     import subprocess
     import sys
@@ -329,3 +331,23 @@ def test_register_caps_reach_the_launches(monkeypatch):
         want = DB.reference_bwd(torch.ones_like(o), q, k, v, cu, 5, pk, pq, 4, 6, 0.2)
         for a, b in zip(got, want):
             assert err(a, b) <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("types", [("c2p", "p2c"), ("c2p",), ("p2c",)])
+def test_compact_band_matches_reference(types, monkeypatch):
+    """`COMPACT_BAND`: far tiles whose distances share < 16 slots take `_compact_scores` (band GEMMs
+    over those slots, gathered by slot). 32-row tiles and wide log buckets (8 buckets up to 64), so
+    a 100-token sequence has such tiles next to full band and saturated ones."""
+    from packedenc.kernels.reference_deberta import log_bucket_position
+
+    monkeypatch.setattr(DA, "BLOCK_MAX", 32)
+    monkeypatch.setattr(DA, "COMPACT_BAND", True)
+    buckets, max_pos, lengths = 8, 64, [100, 40]
+    d0 = torch.arange(-3, 4)[:, None] * 32 - 31  # every tile's smallest distance
+    span = log_bucket_position(d0 + 62, buckets, max_pos) - log_bucket_position(d0, buckets, max_pos)
+    assert ((span > 0) & (span < DA.compact_width(32))).any()  # the compact path is taken
+    q, k, v, cu, pk, pq = _inputs(lengths, types, buckets, max_pos)
+    o, lse = DA.deberta_attention_fwd(q, k, v, cu, max(lengths), pk, pq, buckets, max_pos, 0.2)
+    ref = _ref(q, k, v, cu, max(lengths), pk, pq, types, buckets, max_pos, 0.2)
+    assert err(o, ref) <= 2e-6, err(o, ref)
+    assert err(lse, DB.reference_lse(q, k, cu, max(lengths), pk, pq, buckets, max_pos, 0.2)) <= 1e-5

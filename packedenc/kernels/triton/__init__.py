@@ -2,7 +2,8 @@
 
 One file per fused op: `layer_norm.py` (layer_norm, add_layer_norm, embed_layer_norm),
 `rotary.py`, `glu.py`, `activation.py`, `cross_entropy.py` (linear_cross_entropy),
-`deberta_attention.py` (its backward in `deberta_attention_bwd.py`), `attention.py` (packed
+`deberta_attention.py` (slots in `deberta_slots.py`, a tile's position terms in `deberta_scores.py`,
+the backward in `deberta_attention_bwd.py` and `deberta_bwd_onepass.py`), `attention.py` (packed
 varlen attention, forward only: FA2 where gradients are needed). Each op is a `torch.library`
 custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
 registered), and the functions registered here have the reference signatures, so the table calls

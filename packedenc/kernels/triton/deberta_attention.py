@@ -30,7 +30,8 @@ The slot table (`deberta_slots.py`) is built once per (buckets, max_relative_pos
 device) on the CPU, op for op HF's `make_log_bucket_position`, for every |d| <=
 max(8192, next_pow2(max_seqlen)); the kernels only ever look slots up.
 
-The backward (`deberta_attention_bwd.py`) recomputes the tiles the same way.
+A tile's position terms (band, compact or rank-1) are `deberta_scores.py`; the backward
+(`deberta_attention_bwd.py`) recomputes the tiles with the same helpers.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import check_float, direct_launch
-# the relative-position slot table, built once per config and device, looked up by `_slot`
-from packedenc.kernels.triton.deberta_slots import NO_SATURATION, _slot, saturation, slot_table, table_slots
+# the relative-position slot table, built once per config and device
+from packedenc.kernels.triton.deberta_slots import NO_SATURATION, saturation, slot_table, table_slots
+# a tile's c2p + p2c scores (band, compact or rank-1), shared with the backward's recompute
+from packedenc.kernels.triton.deberta_scores import _pos_scores
 
 __all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config",
            "register_cap", "seq_chunks"]
@@ -52,47 +55,6 @@ LOG2E = 1.4426950408889634
 
 
 # ---- forward kernel ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _pos_scores(s, q, k, PK, PQ, SLOT, i0, j0, half, hh,
-                s_pk_r, s_pq_r, offs_k, kmask, idx,
-                C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
-                LOWP: tl.constexpr):
-    """s (M, N) fp32 plus the unscaled c2p and p2c terms of the tile (i0.., j0..).
-
-    PK / PQ point at head hh already (row stride s_*_r). idx[m, n] = m - n + N - 1. LOWP: the band
-    GEMM outputs are rounded to the input dtype before the gather (HF's c2p / p2c matmuls round
-    there too), which halves the shared-memory traffic of the gather.
-    """
-    d0 = i0 - j0 - (BLOCK - 1)
-    slot_lo = _slot(SLOT, d0, half)
-    slot_hi = _slot(SLOT, d0 + 2 * BLOCK - 2, half)
-    if slot_lo == slot_hi:  # one slot for the whole tile: rank-1 terms
-        if C2P:
-            pk = tl.load(PK + slot_lo.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            s += tl.sum(q.to(tl.float32) * pk[None, :], 1)[:, None]
-        if P2C:
-            pq = tl.load(PQ + slot_lo.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            s += tl.sum(k.to(tl.float32) * pq[None, :], 1)[None, :]
-    else:
-        w = tl.arange(0, 2 * BLOCK)
-        slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
-        if C2P:
-            pkw = tl.load(PK + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-            c = tl.dot(q, tl.trans(pkw.to(q.dtype)), input_precision=PREC)  # (M, W)
-            if LOWP:
-                s += tl.gather(c.to(q.dtype), idx, axis=1).to(tl.float32)
-            else:
-                s += tl.gather(c, idx, axis=1)
-        if P2C:
-            pqw = tl.load(PQ + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-            p = tl.dot(pqw.to(k.dtype), tl.trans(k), input_precision=PREC)  # (W, N)
-            if LOWP:
-                s += tl.gather(p.to(k.dtype), idx, axis=0).to(tl.float32)
-            else:
-                s += tl.gather(p, idx, axis=0)
-    return s
 
 
 @triton.jit
@@ -161,6 +123,7 @@ def _fwd_kernel(
     C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr,
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
     LOWP: tl.constexpr,  # band scores gathered in the input dtype (`_pos_scores`)
+    COMPACT_W: tl.constexpr,  # far tiles with <= COMPACT_W slots take the compact band (0: off)
 ):
     pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + seq).to(tl.int64)
@@ -201,7 +164,7 @@ def _fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if C2P or P2C:
             s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
-                            C2P, P2C, BLOCK, PREC, LOWP)
+                            C2P, P2C, BLOCK, PREC, LOWP, COMPACT_W)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
@@ -245,6 +208,17 @@ def block_size(max_seqlen: int) -> int:
 # 32-row, 4-warp forward uses 238 registers and 45 KB of shared memory, so registers allow 2 programs
 # (8 warps) per SM; 168 allows 3 (84 bytes of spills), 128 allows 4 (308 bytes). Not timed yet.
 MAXNREG: int | None = None
+
+
+# Far band tiles whose distances share few slots (log buckets: at d ~ 800 about 7 of a 32-row tile's
+# 63 distances) run their band GEMMs over those slots only (`_compact_scores`): 47% of doc1k's tiles
+# have <= 32 (benchmarks/NOTES.md). Off until timed on a GPU.
+COMPACT_BAND = False
+
+
+def compact_width(block: int) -> int:
+    """Slot rows of a compact band tile (a tl.dot operand: >= 16), or 0 when it would not save."""
+    return block // 2 if COMPACT_BAND and block >= 32 else 0
 
 
 def launch_config(block: int, head_dim: int = 64) -> dict:
@@ -321,7 +295,8 @@ def deberta_attention_fwd(
             HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
             NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * BLOCK,
             C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
-            LOWP=LOWP_GATHER and q.dtype != torch.float32, **launch_config(BLOCK, Kd),
+            LOWP=LOWP_GATHER and q.dtype != torch.float32, COMPACT_W=compact_width(BLOCK),
+            **launch_config(BLOCK, Kd),
         )
     return o, lse
 

@@ -43,8 +43,10 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton import deberta_attention as _fwd
 from packedenc.kernels.triton.deberta_attention import (
-    LOG2E, _pos_scores, _prec, _slot, block_size, check_inputs, register_cap, seq_chunks, slot_table,
+    LOG2E, _prec, block_size, check_inputs, register_cap, seq_chunks, slot_table,
 )
+from packedenc.kernels.triton.deberta_scores import _pos_scores
+from packedenc.kernels.triton.deberta_slots import _slot
 
 __all__ = ["deberta_attention_bwd", "reference_bwd"]
 

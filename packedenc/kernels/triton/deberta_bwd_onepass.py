@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from packedenc.kernels.triton.deberta_attention import _slot
+from packedenc.kernels.triton.deberta_slots import _slot
 from packedenc.kernels.triton.deberta_attention_bwd import _key_block, _probs_and_grad, _query_block
 
 __all__ = ["_bwd_onepass_kernel"]
