@@ -45,6 +45,8 @@ def _pos_scores(s, q, k, PK, PQ, SLOT, i0, j0, half, hh,
             pq = tl.load(PQ + slot_lo.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0).to(tl.float32)
             s += tl.sum(k.to(tl.float32) * pq[None, :], 1)[None, :]
     else:
+        # nested, not `COMPACT_W > 0 and ...`: the compile-time test must keep `_compact_scores` (an
+        # arange of COMPACT_W rows) out of the traced kernel when it is off
         if COMPACT_W > 0:
             if slot_hi - slot_lo < COMPACT_W:
                 s = _compact_scores(s, q, k, PK, PQ, SLOT, d0, slot_lo, slot_hi, half, s_pk_r, s_pq_r, offs_k,
