@@ -81,8 +81,8 @@ def deberta_kernel(dev):
         # more programs per SM (sm_90 compile: 238 registers allow 2 programs of 4 warps; 168 allow 3,
         # 128 allow 4, with some spills)
         fwd_variants = {"fwd st2": {"NUM_STAGES": 2}, "fwd compact": {"COMPACT_BAND": True},
-                        "fwd maxnreg 168": {"MAXNREG": 168},
-                        "fwd maxnreg 128": {"MAXNREG": 128}, "fwd w8 maxnreg 128": {"NUM_WARPS": 8, "MAXNREG": 128}}
+                        "fwd uncapped": {"MAXNREG": None}, "fwd maxnreg 192": {"MAXNREG": 192},
+                        "fwd maxnreg 128": {"MAXNREG": 128}, "fwd compact uncapped": {"COMPACT_BAND": True, "MAXNREG": None}}
         for label, sw in fwd_variants.items():
             with common.module_switches(dict.fromkeys(sw, da), sw):
                 f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731

@@ -318,10 +318,13 @@ def test_backward_is_flagged_under_deterministic_mode(one_pass, types, alerts, m
 
 def test_register_caps_reach_the_launches(monkeypatch):
     """`MAXNREG` / `MAXNREG_ONEPASS` / `MAXNREG_BWD` become Triton's `maxnreg` launch option (the
-    interpreter ignores it, so results equal the reference); unset, no option is passed."""
+    interpreter ignores it, so results equal the reference); unset, no option is passed. The forward's
+    cap applies to the timed shape only: 4 warps, head_dim <= 64."""
+    monkeypatch.setattr(DA, "MAXNREG", None)
     assert "maxnreg" not in DA.launch_config(32)
     monkeypatch.setattr(DA, "MAXNREG", 128)
     assert DA.launch_config(32)["maxnreg"] == 128
+    assert "maxnreg" not in DA.launch_config(32, head_dim=128)  # 8 warps
     for one_pass in (True, False):
         monkeypatch.setattr(DB, "ONE_PASS", one_pass)
         monkeypatch.setattr(DB, "MAXNREG_ONEPASS" if one_pass else "MAXNREG_BWD", 168)

@@ -204,10 +204,12 @@ def block_size(max_seqlen: int) -> int:
     return max(16, min(BLOCK_MAX, triton.next_power_of_2(max(int(max_seqlen), 1))))
 
 
-# Register cap per thread (Triton's `maxnreg`; None: ptxas decides). The sm_90 compile of the
-# 32-row, 4-warp forward uses 238 registers and 45 KB of shared memory, so registers allow 2 programs
-# (8 warps) per SM; 168 allows 3 (84 bytes of spills), 128 allows 4 (308 bytes). Not timed yet.
-MAXNREG: int | None = None
+# Register cap per thread (Triton's `maxnreg`) for 4-warp launches with head_dim <= 64; None: ptxas
+# decides. Uncapped, the sm_90 compile of the 32-row forward uses 238 registers, so registers allow
+# 2 programs per SM (shared memory, 45 KB, allows 5); 168 allows 3 at 84 bytes of spills. H200 at
+# 22adb5c (profile_gpu --parts kernel): doc1k batch 0.358 vs 0.432 ms, 64k pack 4.31 vs 5.36 ms,
+# 8192 tokens 2.85 vs 3.01 ms; 128 (308 bytes of spills) ties on the pack and loses on the others.
+MAXNREG: int | None = 168
 
 
 # Far band tiles whose distances share few slots (log buckets: at d ~ 800 about 7 of a 32-row tile's
@@ -223,8 +225,9 @@ def compact_width(block: int) -> int:
 
 def launch_config(block: int, head_dim: int = 64) -> dict:
     """Forward launch options. Wide heads (K = 128) keep 8 warps: with 4 they spill (sm_90 ptxas)."""
-    return dict(num_warps=4 if block <= 16 else NUM_WARPS if head_dim <= 64 else 8, num_stages=NUM_STAGES,
-                **register_cap(MAXNREG))
+    warps = 4 if block <= 16 else NUM_WARPS if head_dim <= 64 else 8
+    capped = warps == 4 and head_dim <= 64  # the timed shape; wide heads are not
+    return dict(num_warps=warps, num_stages=NUM_STAGES, **register_cap(MAXNREG if capped else None))
 
 
 def register_cap(maxnreg: int | None) -> dict:
