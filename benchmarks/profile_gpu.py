@@ -80,7 +80,7 @@ def deberta_kernel(dev):
         # forward: pipeline stages (3 ship); far tiles' compact band (`COMPACT_BAND`); register caps for
         # more programs per SM (sm_90 compile: 238 registers allow 2 programs of 4 warps; 168 allow 3,
         # 128 allow 4, with some spills)
-        fwd_variants = {"fwd st2": {"NUM_STAGES": 2}, "fwd compact": {"COMPACT_BAND": True},
+        fwd_variants = {"fwd st3": {"NUM_STAGES": 3}, "fwd compact": {"COMPACT_BAND": True},
                         "fwd uncapped": {"MAXNREG": None}, "fwd maxnreg 192": {"MAXNREG": 192},
                         "fwd maxnreg 128": {"MAXNREG": 128}, "fwd compact uncapped": {"COMPACT_BAND": True, "MAXNREG": None}}
         for label, sw in fwd_variants.items():

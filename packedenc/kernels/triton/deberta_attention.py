@@ -186,7 +186,7 @@ def _fwd_kernel(
 # Module-level so a benchmark sweep can override them.
 BLOCK_MAX = 32
 NUM_WARPS = 4  # H200, Triton 3.6: 4 warps run the 32-row tiles 2x faster than 8 (benchmarks/NOTES.md)
-NUM_STAGES = 3  # H200: 3 stages 2-7% faster than 2 (benchmarks/NOTES.md, profile_gpu)
+NUM_STAGES = 2  # H200 with the register cap below: 8192 tokens 2.46 vs 3.00 ms for 3, doc1k equal
 # Key rows of a saturated tile, in units of BLOCK: 4 pays on long sequences (8192: 2.82 vs 3.11
 # ms), 2 on document packs (doc1k: 0.43 vs 0.51 ms), where saturated key ranges are short.
 SATURATED_TILE = 4
