@@ -188,3 +188,32 @@ def test_target_verdicts():
     text = ds.target_report(recs)
     assert "1.40x missed" in text and "0.64x ok" in text and "n/a: flashdeberta: OutOfMemoryError: boom" in text
     assert "50.0" in text and "0.200" in text  # the long table: latency, working memory 0.6 - 0.4
+
+
+def test_band_split_launcher_matches_the_shipped_forward():
+    """`benchmarks.deberta_band_split.launch` times the shipped kernel: with both terms on and the
+    band bounds it computes what `deberta_attention_fwd` computes, and with the terms off it is
+    content-only attention (the interpreter ignores the launch options)."""
+    from types import SimpleNamespace
+
+    from benchmarks import deberta_band_split as split
+    from packedenc.kernels.triton import deberta_attention as da
+
+    cfg = SimpleNamespace(position_buckets=4, max_relative=8, scale=0.125)
+    g = torch.Generator().manual_seed(0)
+    H, K, R = 2, 16, 8
+    cu = torch.tensor([0, 37, 40], dtype=torch.int32)
+    q, k, v = (torch.randn(40, H, K, generator=g) for _ in range(3))
+    pk, pq = (torch.randn(R, H, K, generator=g) for _ in range(2))
+
+    def run(**kw):
+        o = torch.empty_like(q)
+        split.launch(cfg, q, k, v, cu, 37, pk, pq, block=16, out=o, **kw)
+        return o
+
+    for c2p, p2c in ((True, True), (True, False), (False, True)):
+        want, _ = da.deberta_attention_fwd(q, k, v, cu, 37, pk if c2p else None, pq if p2c else None, 4, 8, 0.125)
+        torch.testing.assert_close(run(c2p=c2p, p2c=p2c, band=True), want, rtol=1e-4, atol=1e-4)
+    content, _ = da.deberta_attention_fwd(q, k, v, cu, 37, None, None, 4, 8, 0.125)
+    for band in (True, False):
+        torch.testing.assert_close(run(c2p=False, p2c=False, band=band), content, rtol=1e-4, atol=1e-4)

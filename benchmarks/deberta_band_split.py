@@ -1,0 +1,88 @@
+"""Where a DeBERTa band tile's time goes (H200 triage): the forward kernel launched directly with
+each position term switched on or off, through the band loop (32 x 32 tiles, per-tile slots) or the
+saturated loop (one slot per key range, NS-key tiles), at the shipped launch options and a few
+others. `python -m benchmarks.deberta_band_split` prints device ms and content TFLOP/s.
+
+"none, band loop" is content-only attention run through the band loop (the position-term bounds
+are kept, the terms are off), so the rows below it show what each term adds to a band tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from benchmarks import common
+from benchmarks.encode import MODELS
+from packedenc.kernels.triton import deberta_attention as da
+from packedenc.kernels.triton.deberta_slots import NO_SATURATION, saturation, slot_table
+
+VARIANTS = {
+    "none, saturated loop": dict(c2p=False, p2c=False, band=False),
+    "none, saturated, NS=128": dict(c2p=False, p2c=False, band=False, ns_mult=4),
+    "none, band loop": dict(c2p=False, p2c=False, band=True),
+    "none, band loop, uncapped": dict(c2p=False, p2c=False, band=True, cap=None),
+    "c2p": dict(c2p=True, p2c=False, band=True),
+    "p2c": dict(c2p=False, p2c=True, band=True),
+    "c2p fp32 gather": dict(c2p=True, p2c=False, band=True, lowp=False),
+    "p2c fp32 gather": dict(c2p=False, p2c=True, band=True, lowp=False),
+    "both (ships)": dict(c2p=True, p2c=True, band=True),
+    "both, uncapped": dict(c2p=True, p2c=True, band=True, cap=None),
+    "both, 1 stage": dict(c2p=True, p2c=True, band=True, stages=1),
+    "both, 16-row tiles": dict(c2p=True, p2c=True, band=True, block=16),
+}
+
+
+def launch(cfg, q, k, v, cu, L, pk, pq, c2p, p2c, band, block=32, ns_mult=None, warps=4, stages=2,
+           cap=168, lowp=True, out=None):
+    """`deberta_attention_fwd` with its launch options and term switches exposed (no lse)."""
+    T, H, Kd = q.shape
+    R = pk.shape[0]
+    o = torch.empty_like(q) if out is None else out
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    table, half = slot_table(cfg.position_buckets, cfg.max_relative, R, L, q.device)
+    bounds = (saturation(cfg.position_buckets, cfg.max_relative, R, L, q.device) if band
+              else (NO_SATURATION, -NO_SATURATION, 0, 0))
+    opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap} if cap else {}))
+    da._fwd_kernel[(triton.cdiv(L, block), H, cu.numel() - 1)](
+        q, k, v, pk, pq, table, cu, o, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+        half, *bounds, cfg.scale * da.LOG2E,
+        HEAD_DIM=Kd, BLOCK_K=max(16, triton.next_power_of_2(Kd)), BLOCK=block,
+        NS=(ns_mult or (2 if L <= da.SHORT_MAX_SEQLEN else 4)) * block, C2P=c2p, P2C=p2c, STORE_LSE=False,
+        PREC=da._prec(q.dtype), LOWP=lowp and q.dtype != torch.float32, COMPACT_W=0, **opts)
+
+
+def main():
+    dev = torch.device("cuda")
+    cfg = MODELS["deberta-v3-base"].make_params(torch.float16).config
+    H, K, R = cfg.num_attention_heads, cfg.head_dim, 2 * cfg.att_span
+    g = torch.Generator(device=dev).manual_seed(0)
+    doc = common.make_workload(common.DEBERTA_WORKLOADS["doc1k"], 100)
+    pack = common.make_workload(common.DEBERTA_WORKLOADS["doc1k"], 100, budget_tokens=65536)
+    cases = {"doc1k-b0": doc.batch(0).cu_seqlens, "doc1k-64k": pack.batch(0).cu_seqlens,
+             "long8192": torch.tensor([0, 8192], dtype=torch.int32)}
+    rows = []
+    for name, cu in cases.items():
+        cu = cu.to(dev)
+        T, L = int(cu[-1]), int((cu[1:] - cu[:-1]).max())
+        qkv = torch.randn(T, 3, H, K, device=dev, dtype=torch.float16, generator=g)
+        pk, pq = (torch.randn(R, H, K, device=dev, dtype=torch.float16, generator=g) for _ in range(2))
+        flops = 4 * H * K * float(((cu[1:] - cu[:-1]).double() ** 2).sum())
+        for label, kw in VARIANTS.items():
+            f = lambda: launch(cfg, qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, L, pk, pq, **kw)  # noqa: E731
+            try:
+                f()
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
+                print(f"{name} {label} failed: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            ms = common.median_ms(f, reps=20)
+            rows.append((name, label, ms, flops / ms / 1e9))
+    print(f"{'case':10} {'variant':26} {'ms':>8} {'TFLOP/s (content)':>18}")
+    for r in rows:
+        print(f"{r[0]:10} {r[1]:26} {r[2]:8.3f} {r[3]:18.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
