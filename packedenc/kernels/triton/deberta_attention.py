@@ -22,7 +22,8 @@ keys fall in three ranges, in sequence order:
     computes the band GEMMs C = q @ PK_w^T (M, W) and P = PQ_w @ k^T (W, N) in fp32 and picks
     C[m, m - n + N - 1] and P[m - n + N - 1, n] with `tl.gather`. Cost of a band tile (M = N = B):
     2B^2K (q k^T) + 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, 3x a flash tile; sequences of
-    <= ~2 x max_relative_positions tokens are all band (where DisentangledFlash still wins).
+    <= ~2 x max_relative_positions tokens are all band (doc1k: ~1.07x DisentangledFlash, whose
+    staged tables need fewer FLOPs; benchmarks/NOTES.md).
 The fold rounds q + PQ and k + PK to the input dtype once: the same order of error as storing q
 and k in that dtype.
 
