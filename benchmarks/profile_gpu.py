@@ -82,7 +82,8 @@ def deberta_kernel(dev):
         # 128 allow 4, with some spills)
         fwd_variants = {"fwd st3": {"NUM_STAGES": 3}, "fwd compact": {"COMPACT_BAND": True},
                         "fwd uncapped": {"MAXNREG": None}, "fwd maxnreg 192": {"MAXNREG": 192},
-                        "fwd maxnreg 128": {"MAXNREG": 128}, "fwd compact uncapped": {"COMPACT_BAND": True, "MAXNREG": None}}
+                        "fwd maxnreg 128": {"MAXNREG": 128}, "fwd compact uncapped": {"COMPACT_BAND": True, "MAXNREG": None},
+                        "fwd c2p reuse": {"C2P_REUSE": True}, "fwd c2p reuse uncapped": {"C2P_REUSE": True, "MAXNREG": None}}
         for label, sw in fwd_variants.items():
             with common.module_switches(dict.fromkeys(sw, da), sw):
                 f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731

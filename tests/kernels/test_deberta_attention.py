@@ -257,8 +257,9 @@ p = "*bf16"
 ptrs = dict(Q=p, K=p, V=p, PK=p, PQ=p, SLOT="*i32", CU="*i32", O=p, LSE="*fp32", DO=p, DELTA="*fp32", DQ=p,
             DPK="*fp32", DK=p, DV=p, DPQ="*fp32")
 from packedenc.kernels.triton import deberta_bwd_onepass as OP
-fwd = dict(STORE_LSE=True, NS=2 * DA.BLOCK_MAX)
+fwd = dict(STORE_LSE=True, NS=2 * DA.BLOCK_MAX, C2P_REUSE=False)
 for fn, extra in ((DA._fwd_kernel, dict(fwd, COMPACT_W=0)), (DA._fwd_kernel, dict(fwd, COMPACT_W=DA.BLOCK_MAX // 2)),
+                  (DA._fwd_kernel, dict(fwd, COMPACT_W=0) | dict(C2P_REUSE=True)),
                   (DB._bwd_dq_kernel, {}), (DB._bwd_dkdv_kernel, {}), (OP._bwd_onepass_kernel, {})):
     consts = dict(HEAD_DIM=64, BLOCK_K=64, BLOCK=DA.BLOCK_MAX, C2P=True, P2C=True, PREC="tf32",
                   LOWP=DA.LOWP_GATHER, **extra)
@@ -276,8 +277,8 @@ print("compiled")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile the kernels for real")
 def test_kernels_compile_for_sm90_without_a_gpu():
-    """The interpreter never lowers tl.gather / tl.dot layouts: compile the forward (with and without
-    the compact band) and the backward kernels for an H100/H200 (bf16, K = 64, the shipped tile)
+    """The interpreter never lowers tl.gather / tl.dot layouts: compile the forward (as shipped, with
+    the compact band, with the c2p reuse) and the backward kernels for an H100/H200 (bf16, K = 64, the shipped tile)
     ahead of time, no driver needed."""
     import os
     import subprocess
@@ -354,3 +355,22 @@ def test_compact_band_matches_reference(types, monkeypatch):
     ref = _ref(q, k, v, cu, max(lengths), pk, pq, types, buckets, max_pos, 0.2)
     assert err(o, ref) <= 2e-6, err(o, ref)
     assert err(lse, DB.reference_lse(q, k, cu, max(lengths), pk, pq, buckets, max_pos, 0.2)) <= 1e-5
+
+
+@pytest.mark.parametrize("types", [("c2p", "p2c"), ("c2p",), ("p2c",)])
+@pytest.mark.parametrize("block", [16, 32])
+def test_c2p_reuse_matches_reference(types, block, monkeypatch):
+    """`C2P_REUSE`: each band tile computes c2p over BLOCK fresh slot rows and carries the other
+    BLOCK from the previous key tile. Sequences of 1, 17, 100 and 40 tokens with a bucket range (8
+    buckets up to 64) that gives band tiles in runs of several (carries), single band tiles, and
+    rank-1 / saturated tiles around them; fp32 and fp16."""
+    monkeypatch.setattr(DA, "BLOCK_MAX", block)
+    monkeypatch.setattr(DA, "C2P_REUSE", True)
+    buckets, max_pos, lengths = 8, 64, [1, 17, 100, 40]
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
+        q, k, v, cu, pk, pq = _inputs(lengths, types, buckets, max_pos, dtype=dtype)
+        o, lse = DA.deberta_attention_fwd(q, k, v, cu, max(lengths), pk, pq, buckets, max_pos, 0.2)
+        ref = _ref(*_f32(q, k, v), cu, max(lengths), *_f32(pk, pq), types, buckets, max_pos, 0.2)
+        assert err(o.float(), ref) <= tol, (dtype, err(o.float(), ref))
+        want_lse = DB.reference_lse(*_f32(q, k), cu, max(lengths), *_f32(pk, pq), buckets, max_pos, 0.2)
+        assert err(lse, want_lse) <= 50 * tol, (dtype, err(lse, want_lse))

@@ -47,7 +47,7 @@ from packedenc.kernels.triton._common import check_float, direct_launch
 # the relative-position slot table, built once per config and device
 from packedenc.kernels.triton.deberta_slots import NO_SATURATION, saturation, slot_table, table_slots
 # a tile's c2p + p2c scores (band, compact or rank-1), shared with the backward's recompute
-from packedenc.kernels.triton.deberta_scores import _pos_scores
+from packedenc.kernels.triton.deberta_scores import _c2p_half, _c2p_pick, _pos_scores
 
 __all__ = ["deberta_attention", "deberta_attention_fwd", "slot_table", "table_slots", "block_size", "launch_config",
            "register_cap", "seq_chunks"]
@@ -125,6 +125,7 @@ def _fwd_kernel(
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
     LOWP: tl.constexpr,  # band scores gathered in the input dtype (`_pos_scores`)
     COMPACT_W: tl.constexpr,  # far tiles with <= COMPACT_W slots take the compact band (0: off)
+    C2P_REUSE: tl.constexpr = False,  # c2p band: BLOCK fresh slot rows per tile, the rest carried
 ):
     pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + seq).to(tl.int64)
@@ -156,6 +157,8 @@ def _fwd_kernel(
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MAX, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
     m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, 0, e1, hh, s_k_t, s_k_h, s_v_t, s_v_h,
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
+    if C2P and C2P_REUSE:  # the upper half of the first band tile's c2p band: distances d0(e1) + BLOCK ..
+        c_hi = _c2p_half(q, PKh, SLOT, i0 - e1 + 1, half, s_pk_r, offs_k, kmask, BLOCK, PREC, LOWP)
     for j0 in range(e1, s3, BLOCK):
         nmask = (j0 + offs) < L
         cols = start + j0 + offs.to(tl.int64)
@@ -163,7 +166,14 @@ def _fwd_kernel(
         k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if C2P or P2C:
+        if C2P and C2P_REUSE:  # lower half fresh (distances d0 ..), upper half = the previous tile's lower half
+            c_lo = _c2p_half(q, PKh, SLOT, i0 - j0 - (BLOCK - 1), half, s_pk_r, offs_k, kmask, BLOCK, PREC, LOWP)
+            s = _c2p_pick(s, c_lo, c_hi, idx, BLOCK)
+            c_hi = c_lo
+            if P2C:
+                s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
+                                False, P2C, BLOCK, PREC, LOWP, COMPACT_W)
+        elif C2P or P2C:
             s = _pos_scores(s, q, k, PKh, PQh, SLOT, i0, j0, half, hh, s_pk_r, s_pq_r, offs_k, kmask, idx,
                             C2P, P2C, BLOCK, PREC, LOWP, COMPACT_W)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
@@ -217,6 +227,11 @@ MAXNREG: int | None = 168
 # 63 distances) run their band GEMMs over those slots only (`_compact_scores`): 47% of doc1k's tiles
 # have <= 32 (benchmarks/NOTES.md). Off until timed on a GPU.
 COMPACT_BAND = False
+
+
+# c2p over BLOCK fresh slot rows per band tile, the other BLOCK carried from the previous key tile
+# (`deberta_scores._c2p_half`): half the c2p band GEMM, two half-width gathers. Off until timed.
+C2P_REUSE = False
 
 
 def compact_width(block: int) -> int:
@@ -299,7 +314,7 @@ def deberta_attention_fwd(
             HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
             NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * BLOCK,
             C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
-            LOWP=LOWP_GATHER and q.dtype != torch.float32, COMPACT_W=compact_width(BLOCK),
+            LOWP=LOWP_GATHER and q.dtype != torch.float32, COMPACT_W=compact_width(BLOCK), C2P_REUSE=C2P_REUSE,
             **launch_config(BLOCK, Kd),
         )
     return o, lse

@@ -9,6 +9,10 @@ band (i - j = d0 + w), U compact slot rows. See `deberta_attention.py` for the w
     picks C[m, m - n + N - 1] / P[m - n + N - 1, n];
   - `_compact_scores` (COMPACT_W > 0, off by default): a far tile whose distances share fewer than U
     slots (wide log buckets) runs its band GEMMs over those U slot rows and gathers by slot.
+
+`_c2p_half` / `_c2p_pick` (the forward's C2P_REUSE, off by default): consecutive key tiles of one
+query block share half their band (tile j0 + N's upper half is tile j0's lower half), so the forward
+computes c2p over N fresh slot rows per tile and carries the other N from the previous tile.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import triton.language as tl
 
 from packedenc.kernels.triton.deberta_slots import _slot
 
-__all__ = ["_pos_scores"]
+__all__ = ["_pos_scores", "_c2p_half", "_c2p_pick"]
 
 
 @triton.jit
@@ -101,3 +105,23 @@ def _picked_terms(s, q, k, PK, PQ, rows, mask, pick, s_pk_r, s_pq_r, offs_k,
         else:
             s += tl.gather(p, pick, axis=0)
     return s
+
+
+@triton.jit
+def _c2p_half(q, PK, SLOT, d_lo, half, s_pk_r, offs_k, kmask, N: tl.constexpr, PREC: tl.constexpr,
+              LOWP: tl.constexpr):
+    """q @ PK[slot(d_lo + u)]^T for u in [0, N): half a tile's c2p band, (M, N), in q's dtype if LOWP."""
+    slot_u = _slot(SLOT, d_lo + tl.arange(0, N), half).to(tl.int64)
+    pkr = tl.load(PK + slot_u[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+    c = tl.dot(q, tl.trans(pkr.to(q.dtype)), input_precision=PREC)
+    if LOWP:
+        c = c.to(q.dtype)
+    return c
+
+
+@triton.jit
+def _c2p_pick(s, c_lo, c_hi, idx, N: tl.constexpr):
+    """s + C[m, idx[m, n]] with C = [c_lo | c_hi], a tile's c2p band held as two (M, N) halves."""
+    lo = tl.gather(c_lo, tl.minimum(idx, N - 1), axis=1)
+    hi = tl.gather(c_hi, tl.maximum(idx - N, 0), axis=1)
+    return s + tl.where(idx < N, lo, hi).to(tl.float32)
