@@ -4,7 +4,8 @@ saturated loop (one slot per key range, NS-key tiles), at the shipped launch opt
 others. `python -m benchmarks.deberta_band_split` prints device ms and content TFLOP/s.
 
 "none, band loop" is content-only attention run through the band loop (the position-term bounds
-are kept, the terms are off), so the rows below it show what each term adds to a band tile.
+are kept, the terms are off), so the rows below it show what each term adds to a band tile. c2p
+ships as a carried half band (`deberta_attention.C2P_REUSE`); "full band" computes all of it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ VARIANTS = {
     "p2c": dict(c2p=False, p2c=True, band=True),
     "c2p fp32 gather": dict(c2p=True, p2c=False, band=True, lowp=False),
     "p2c fp32 gather": dict(c2p=False, p2c=True, band=True, lowp=False),
+    "c2p, full band per tile": dict(c2p=True, p2c=False, band=True, reuse=False),
     "both (ships)": dict(c2p=True, p2c=True, band=True),
+    "both, full c2p band per tile": dict(c2p=True, p2c=True, band=True, reuse=False),
     "both, uncapped": dict(c2p=True, p2c=True, band=True, cap=None),
     "both, 1 stage": dict(c2p=True, p2c=True, band=True, stages=1),
     "both, 16-row tiles": dict(c2p=True, p2c=True, band=True, block=16),
@@ -34,7 +37,7 @@ VARIANTS = {
 
 
 def launch(cfg, q, k, v, cu, L, pk, pq, c2p, p2c, band, block=32, ns_mult=None, warps=4, stages=2,
-           cap=168, lowp=True, out=None):
+           cap=168, lowp=True, reuse=True, out=None):
     """`deberta_attention_fwd` with its launch options and term switches exposed (no lse)."""
     T, H, Kd = q.shape
     R = pk.shape[0]
@@ -51,7 +54,8 @@ def launch(cfg, q, k, v, cu, L, pk, pq, c2p, p2c, band, block=32, ns_mult=None, 
         half, *bounds, cfg.scale * da.LOG2E,
         HEAD_DIM=Kd, BLOCK_K=max(16, triton.next_power_of_2(Kd)), BLOCK=block,
         NS=(ns_mult or (2 if L <= da.SHORT_MAX_SEQLEN else 4)) * block, C2P=c2p, P2C=p2c, STORE_LSE=False,
-        PREC=da._prec(q.dtype), LOWP=lowp and q.dtype != torch.float32, COMPACT_W=0, **opts)
+        PREC=da._prec(q.dtype), LOWP=lowp and q.dtype != torch.float32, COMPACT_W=0, C2P_REUSE=reuse,
+        **opts)
 
 
 def main():

@@ -77,13 +77,13 @@ def deberta_kernel(dev):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
                 f()
                 timed(f"bwd lowp={int(lowp)}", f, 2.5)
-        # forward: pipeline stages (3 ship); far tiles' compact band (`COMPACT_BAND`); register caps for
-        # more programs per SM (sm_90 compile: 238 registers allow 2 programs of 4 warps; 168 allow 3,
-        # 128 allow 4, with some spills)
-        fwd_variants = {"fwd st3": {"NUM_STAGES": 3}, "fwd compact": {"COMPACT_BAND": True},
-                        "fwd uncapped": {"MAXNREG": None}, "fwd maxnreg 192": {"MAXNREG": 192},
-                        "fwd maxnreg 128": {"MAXNREG": 128}, "fwd compact uncapped": {"COMPACT_BAND": True, "MAXNREG": None},
-                        "fwd c2p reuse": {"C2P_REUSE": True}, "fwd c2p reuse uncapped": {"C2P_REUSE": True, "MAXNREG": None}}
+        # forward: pipeline stages (2 ship); far tiles' compact band (`COMPACT_BAND`, with the full c2p
+        # band); register caps (168 ships: 3 programs of 4 warps per SM); the whole c2p band per tile
+        # instead of the carried half (`C2P_REUSE`, ships on)
+        fwd_variants = {"fwd st3": {"NUM_STAGES": 3}, "fwd compact": {"COMPACT_BAND": True, "C2P_REUSE": False},
+                        "fwd uncapped": {"MAXNREG": None}, "fwd maxnreg 128": {"MAXNREG": 128},
+                        "fwd full c2p band": {"C2P_REUSE": False},
+                        "fwd full c2p band uncapped": {"C2P_REUSE": False, "MAXNREG": None}}
         for label, sw in fwd_variants.items():
             with common.module_switches(dict.fromkeys(sw, da), sw):
                 f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731

@@ -213,7 +213,8 @@ def test_band_split_launcher_matches_the_shipped_forward():
 
     for c2p, p2c in ((True, True), (True, False), (False, True)):
         want, _ = da.deberta_attention_fwd(q, k, v, cu, 37, pk if c2p else None, pq if p2c else None, 4, 8, 0.125)
-        torch.testing.assert_close(run(c2p=c2p, p2c=p2c, band=True), want, rtol=1e-4, atol=1e-4)
+        for reuse in (True, False):
+            torch.testing.assert_close(run(c2p=c2p, p2c=p2c, band=True, reuse=reuse), want, rtol=1e-4, atol=1e-4)
     content, _ = da.deberta_attention_fwd(q, k, v, cu, 37, None, None, 4, 8, 0.125)
     for band in (True, False):
         torch.testing.assert_close(run(c2p=False, p2c=False, band=band), content, rtol=1e-4, atol=1e-4)

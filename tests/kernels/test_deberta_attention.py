@@ -346,6 +346,7 @@ def test_compact_band_matches_reference(types, monkeypatch):
 
     monkeypatch.setattr(DA, "BLOCK_MAX", 32)
     monkeypatch.setattr(DA, "COMPACT_BAND", True)
+    monkeypatch.setattr(DA, "C2P_REUSE", False)  # else c2p takes the carried half band, not the compact one
     buckets, max_pos, lengths = 8, 64, [100, 40]
     d0 = torch.arange(-3, 4)[:, None] * 32 - 31  # every tile's smallest distance
     span = log_bucket_position(d0 + 62, buckets, max_pos) - log_bucket_position(d0, buckets, max_pos)
@@ -359,13 +360,14 @@ def test_compact_band_matches_reference(types, monkeypatch):
 
 @pytest.mark.parametrize("types", [("c2p", "p2c"), ("c2p",), ("p2c",)])
 @pytest.mark.parametrize("block", [16, 32])
-def test_c2p_reuse_matches_reference(types, block, monkeypatch):
-    """`C2P_REUSE`: each band tile computes c2p over BLOCK fresh slot rows and carries the other
-    BLOCK from the previous key tile. Sequences of 1, 17, 100 and 40 tokens with a bucket range (8
-    buckets up to 64) that gives band tiles in runs of several (carries), single band tiles, and
-    rank-1 / saturated tiles around them; fp32 and fp16."""
+@pytest.mark.parametrize("reuse", [True, False])
+def test_c2p_reuse_matches_reference(types, block, reuse, monkeypatch):
+    """`C2P_REUSE` (ships on): each band tile computes c2p over BLOCK fresh slot rows and carries the
+    other BLOCK from the previous key tile; off, it computes the whole band per tile. Sequences of
+    1, 17, 100 and 40 tokens with a bucket range (8 buckets up to 64) that gives band tiles in runs
+    of several (carries), single band tiles, and rank-1 / saturated tiles around them; fp32, fp16."""
     monkeypatch.setattr(DA, "BLOCK_MAX", block)
-    monkeypatch.setattr(DA, "C2P_REUSE", True)
+    monkeypatch.setattr(DA, "C2P_REUSE", reuse)
     buckets, max_pos, lengths = 8, 64, [1, 17, 100, 40]
     for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
         q, k, v, cu, pk, pq = _inputs(lengths, types, buckets, max_pos, dtype=dtype)
