@@ -21,7 +21,9 @@ keys fall in three ranges, in sequence order:
     distances from the table, gathers the W rows of PK and PQ at those slots (L2-resident),
     computes the band GEMMs C = q @ PK_w^T (M, W) and P = PQ_w @ k^T (W, N) in fp32 and picks
     C[m, m - n + N - 1] and P[m - n + N - 1, n] with `tl.gather`. Cost of a band tile (M = N = B):
-    2B^2K (q k^T) + 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, 3x a flash tile; sequences of
+    2B^2K (q k^T) + 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, 3x a flash tile. C2P_REUSE (on):
+    key tile j0 + N's upper half of C is tile j0's lower half, so C is held as two (M, N) halves
+    and only the lower one is computed per tile (2B^2K), 2.5x a flash tile; sequences of
     <= ~2 x max_relative_positions tokens are all band (doc1k: ~1.07x DisentangledFlash, whose
     staged tables need fewer FLOPs; benchmarks/NOTES.md).
 The fold rounds q + PQ and k + PK to the input dtype once: the same order of error as storing q
