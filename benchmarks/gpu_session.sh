@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh encode   # ModernBERT + DeBERTa inference benchmarks (with peers)
 #   bash benchmarks/gpu_session.sh train    # training step benchmark (with DisentangledFlash)
 #   bash benchmarks/gpu_session.sh graph    # graph transformer benchmark
-#   bash benchmarks/gpu_session.sh deberta  # DeBERTa kernel variants, step profile, DeBERTa-only training step
+#   bash benchmarks/gpu_session.sh deberta  # DeBERTa kernel variants and band split, step profile, DeBERTa-only training step
 #
 # Run from the repository root (or a `git archive` snapshot of it). Logs and result files go to
 # $OUT (default ./gpu_out); copy the JSON / PNG into benchmarks/results/ afterwards. Peer wheels
@@ -31,6 +31,7 @@ case "$stage" in
         timeout 560 python3 -m benchmarks.train --out-dir "$out" 2>&1 | tee "$out/train.log" | tail -40 ;;
     deberta)
         timeout 200 python3 -m benchmarks.profile_gpu --parts kernel 2>&1 | tee "$out/deberta_kernel.log" | grep -E "^(case|doc1k|long)|failed"
+        timeout 90 python3 -m benchmarks.deberta_band_split 2>&1 | tee "$out/deberta_band_split.log" | tail -40
         timeout 120 python3 -m benchmarks.profile_gpu --parts train --models deberta-v3-base > "$out/deberta_train_profile.log" 2>&1
         timeout 340 python3 -m benchmarks.train --models deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/train_deberta.log" | tail -20 ;;
     graph)
