@@ -30,10 +30,10 @@ case "$stage" in
     train)
         timeout 560 python3 -m benchmarks.train --out-dir "$out" 2>&1 | tee "$out/train.log" | tail -40 ;;
     deberta)
-        timeout 200 python3 -m benchmarks.profile_gpu --parts kernel 2>&1 | tee "$out/deberta_kernel.log" | grep -E "^(case|doc1k|long)|failed"
-        timeout 90 python3 -m benchmarks.deberta_band_split 2>&1 | tee "$out/deberta_band_split.log" | tail -40
-        timeout 120 python3 -m benchmarks.profile_gpu --parts train --models deberta-v3-base > "$out/deberta_train_profile.log" 2>&1
-        timeout 340 python3 -m benchmarks.train --models deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/train_deberta.log" | tail -20 ;;
+        timeout 180 python3 -m benchmarks.profile_gpu --parts kernel 2>&1 | tee "$out/deberta_kernel.log" | grep -E "^(case|doc1k|long)|failed"
+        timeout 60 python3 -m benchmarks.deberta_band_split 2>&1 | tee "$out/deberta_band_split.log" | tail -40
+        timeout 100 python3 -m benchmarks.profile_gpu --parts train --models deberta-v3-base > "$out/deberta_train_profile.log" 2>&1
+        timeout 250 python3 -m benchmarks.train --models deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/train_deberta.log" | tail -20 ;;
     graph)
         timeout 560 python3 -m benchmarks.graph --out "$out/graph_h200.json" 2>&1 | tee "$out/graph.log" | tail -50 ;;
     *)
