@@ -11,7 +11,6 @@ ships as a carried half band (`deberta_attention.C2P_REUSE`); "full band" comput
 from __future__ import annotations
 
 import torch
-import triton
 
 from benchmarks import common
 from benchmarks.encode import MODELS
@@ -37,25 +36,20 @@ VARIANTS = {
 
 
 def launch(cfg, q, k, v, cu, L, pk, pq, c2p, p2c, band, block=32, ns_mult=None, warps=4, stages=2,
-           cap=168, lowp=True, reuse=True, out=None):
-    """`deberta_attention_fwd` with its launch options and term switches exposed (no lse)."""
-    T, H, Kd = q.shape
+           cap=168, lowp=True, reuse=True):
+    """The shipped forward launcher (`deberta_attention.launch_fwd`, no lse) with each term switched on
+    its own and the launch options of this variant set on the module; returns the output."""
     R = pk.shape[0]
-    o = torch.empty_like(q) if out is None else out
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    table, half = slot_table(cfg.position_buckets, cfg.max_relative, R, L, q.device)
     bounds = (saturation(cfg.position_buckets, cfg.max_relative, R, L, q.device) if band
               else (NO_SATURATION, -NO_SATURATION, 0, 0))
-    opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap} if cap else {}))
-    da._fwd_kernel[(triton.cdiv(L, block), H, cu.numel() - 1)](
-        q, k, v, pk, pq, table, cu, o, lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-        half, *bounds, cfg.scale * da.LOG2E,
-        HEAD_DIM=Kd, BLOCK_K=max(16, triton.next_power_of_2(Kd)), BLOCK=block,
-        NS=(ns_mult or (2 if L <= da.SHORT_MAX_SEQLEN else 4)) * block, C2P=c2p, P2C=p2c, STORE_LSE=False,
-        PREC=da._prec(q.dtype), LOWP=lowp and q.dtype != torch.float32, COMPACT_W=0, C2P_REUSE=reuse,
-        **opts)
+    switches = {"BLOCK_MAX": block, "NUM_WARPS": warps, "NUM_STAGES": stages, "MAXNREG": cap,
+                "LOWP_GATHER": lowp, "C2P_REUSE": reuse}
+    if ns_mult:
+        switches.update(SATURATED_TILE=ns_mult, SATURATED_TILE_SHORT=ns_mult)
+    with common.module_switches(dict.fromkeys(switches, da), switches):
+        table = slot_table(cfg.position_buckets, cfg.max_relative, R, L, q.device)
+        return da.launch_fwd(q, k, v, cu, L, pk, pq, table, bounds, cfg.scale, c2p=c2p, p2c=p2c,
+                             store_lse=False)[0]
 
 
 def main():

@@ -207,9 +207,7 @@ def test_band_split_launcher_matches_the_shipped_forward():
     pk, pq = (torch.randn(R, H, K, generator=g) for _ in range(2))
 
     def run(**kw):
-        o = torch.empty_like(q)
-        split.launch(cfg, q, k, v, cu, 37, pk, pq, block=16, out=o, **kw)
-        return o
+        return split.launch(cfg, q, k, v, cu, 37, pk, pq, block=16, **kw)
 
     for c2p, p2c in ((True, True), (True, False), (False, True)):
         want, _ = da.deberta_attention_fwd(q, k, v, cu, 37, pk if c2p else None, pq if p2c else None, 4, 8, 0.125)

@@ -294,30 +294,40 @@ def deberta_attention_fwd(
     check_inputs(q, k, v, cu_seqlens, pos_key, pos_query)
     T, H, Kd = q.shape
     S = cu_seqlens.numel() - 1
-    o = torch.empty((T, H, Kd), dtype=q.dtype, device=q.device)
-    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0 or S == 0 or max_seqlen <= 0:
-        return o, lse
+        return q.new_empty((T, H, Kd)), q.new_empty((T, H), dtype=torch.float32)
     pos = pos_key if pos_key is not None else pos_query
     R = pos.shape[0] if pos is not None else 2
-    table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, q.device)
-    pk = pos_key if pos_key is not None else q
-    pq = pos_query if pos_query is not None else q
     if pos is not None:
         bounds = saturation(position_buckets, max_relative_positions, R, max_seqlen, q.device)
     else:  # no position terms: every key block takes the plain (saturated) path
         bounds = (NO_SATURATION, -NO_SATURATION, 0, 0)
+    return launch_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query,
+                      slot_table(position_buckets, max_relative_positions, R, max_seqlen, q.device), bounds,
+                      scale, c2p=pos_key is not None, p2c=pos_query is not None, store_lse=store_lse)
+
+
+def launch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key: Tensor | None,
+               pos_query: Tensor | None, table: tuple[Tensor, int], bounds: tuple[int, int, int, int],
+               scale: float, *, c2p: bool, p2c: bool, store_lse: bool) -> tuple[Tensor, Tensor]:
+    """`deberta_attention_fwd` past its checks: the slot table and saturation bounds given, each term
+    switched on its own (`benchmarks/deberta_band_split.py` runs the band loop with both off)."""
+    T, H, Kd = q.shape
+    o = torch.empty((T, H, Kd), dtype=q.dtype, device=q.device)
+    lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    pk = pos_key if pos_key is not None else q
+    pq = pos_query if pos_query is not None else q
     BLOCK = block_size(max_seqlen)
     BLOCK_K = max(16, triton.next_power_of_2(Kd))
     for cu, n_seq in seq_chunks(cu_seqlens):
         _fwd_kernel[(triton.cdiv(max_seqlen, BLOCK), H, n_seq)](
-            q, k, v, pk, pq, table, cu, o, lse,
+            q, k, v, pk, pq, table[0], cu, o, lse,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
-            half, *bounds, scale * LOG2E,
+            table[1], *bounds, scale * LOG2E,
             HEAD_DIM=Kd, BLOCK_K=BLOCK_K, BLOCK=BLOCK,
             NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * BLOCK,
-            C2P=pos_key is not None, P2C=pos_query is not None, STORE_LSE=store_lse, PREC=_prec(q.dtype),
+            C2P=c2p, P2C=p2c, STORE_LSE=store_lse, PREC=_prec(q.dtype),
             LOWP=LOWP_GATHER and q.dtype != torch.float32, COMPACT_W=compact_width(BLOCK), C2P_REUSE=C2P_REUSE,
             **launch_config(BLOCK, Kd),
         )
