@@ -1,11 +1,11 @@
 """Where a DeBERTa band tile's time goes (H200 triage): the forward kernel launched directly with
-each position term switched on or off, through the band loop (32 x 32 tiles, per-tile slots) or the
-saturated loop (one slot per key range, NS-key tiles), at the shipped launch options and a few
-others. `python -m benchmarks.deberta_band_split` prints device ms and content TFLOP/s.
+each position term switched on or off, through the band loop (per-tile slots) or the saturated loop
+(one slot per key range, NS-key tiles), with the shipped wide tiles (64 query x 32 key rows,
+`deberta_fwd_wide.py`) or the 32 x 32 tiles, at the shipped launch options and a few others.
+`python -m benchmarks.deberta_band_split` prints device ms and content TFLOP/s.
 
 "none, band loop" is content-only attention run through the band loop (the position-term bounds
-are kept, the terms are off), so the rows below it show what each term adds to a band tile. c2p
-ships as a carried half band (`deberta_attention.C2P_REUSE`); "full band" computes all of it.
+are kept, the terms are off), so the rows below it show what each term adds to a band tile.
 """
 
 from __future__ import annotations
@@ -17,35 +17,31 @@ from benchmarks.encode import MODELS
 from packedenc.kernels.triton import deberta_attention as da
 from packedenc.kernels.triton.deberta_slots import NO_SATURATION, saturation, slot_table
 
+NARROW = dict(wide=False)  # the 32 x 32 tiles (`deberta_attention._fwd_kernel`)
 VARIANTS = {
     "none, saturated loop": dict(c2p=False, p2c=False, band=False),
-    "none, saturated, NS=128": dict(c2p=False, p2c=False, band=False, ns_mult=4),
     "none, band loop": dict(c2p=False, p2c=False, band=True),
-    "none, band loop, uncapped": dict(c2p=False, p2c=False, band=True, cap=None),
     "c2p": dict(c2p=True, p2c=False, band=True),
     "p2c": dict(c2p=False, p2c=True, band=True),
-    "c2p fp32 gather": dict(c2p=True, p2c=False, band=True, lowp=False),
-    "p2c fp32 gather": dict(c2p=False, p2c=True, band=True, lowp=False),
-    "c2p, full band per tile": dict(c2p=True, p2c=False, band=True, reuse=False),
     "both (ships)": dict(c2p=True, p2c=True, band=True),
-    "both, full c2p band per tile": dict(c2p=True, p2c=True, band=True, reuse=False),
-    "both, uncapped": dict(c2p=True, p2c=True, band=True, cap=None),
-    "both, 1 stage": dict(c2p=True, p2c=True, band=True, stages=1),
-    "both, 16-row tiles": dict(c2p=True, p2c=True, band=True, block=16),
+    "both, uncapped": dict(c2p=True, p2c=True, band=True, WIDE_MAXNREG=None),
+    "both, p2c in 3 chunks": dict(c2p=True, p2c=True, band=True, WIDE_P2C=False),
+    "32x32: none, band loop": dict(c2p=False, p2c=False, band=True, **NARROW),
+    "32x32: c2p": dict(c2p=True, p2c=False, band=True, **NARROW),
+    "32x32: p2c": dict(c2p=False, p2c=True, band=True, **NARROW),
+    "32x32: both": dict(c2p=True, p2c=True, band=True, **NARROW),
+    "32x32: both, full c2p band": dict(c2p=True, p2c=True, band=True, reuse=False, **NARROW),
 }
 
 
-def launch(cfg, q, k, v, cu, L, pk, pq, c2p, p2c, band, block=32, ns_mult=None, warps=4, stages=2,
-           cap=168, lowp=True, reuse=True):
+def launch(cfg, q, k, v, cu, L, pk, pq, c2p, p2c, band, block=32, wide=True, lowp=True, reuse=True, **options):
     """The shipped forward launcher (`deberta_attention.launch_fwd`, no lse) with each term switched on
-    its own and the launch options of this variant set on the module; returns the output."""
+    its own and this variant's launch options (`options`: module attributes of `deberta_attention`,
+    e.g. WIDE_MAXNREG=None) set on the module; returns the output."""
     R = pk.shape[0]
     bounds = (saturation(cfg.position_buckets, cfg.max_relative, R, L, q.device) if band
               else (NO_SATURATION, -NO_SATURATION, 0, 0))
-    switches = {"BLOCK_MAX": block, "NUM_WARPS": warps, "NUM_STAGES": stages, "MAXNREG": cap,
-                "LOWP_GATHER": lowp, "C2P_REUSE": reuse}
-    if ns_mult:
-        switches.update(SATURATED_TILE=ns_mult, SATURATED_TILE_SHORT=ns_mult)
+    switches = {"BLOCK_MAX": block, "WIDE_TILES": wide, "LOWP_GATHER": lowp, "C2P_REUSE": reuse, **options}
     with common.module_switches(dict.fromkeys(switches, da), switches):
         table = slot_table(cfg.position_buckets, cfg.max_relative, R, L, q.device)
         return da.launch_fwd(q, k, v, cu, L, pk, pq, table, bounds, cfg.scale, c2p=c2p, p2c=p2c,
@@ -77,9 +73,9 @@ def main():
                 continue
             ms = common.median_ms(f, reps=20)
             rows.append((name, label, ms, flops / ms / 1e9))
-    print(f"{'case':10} {'variant':26} {'ms':>8} {'TFLOP/s (content)':>18}")
+    print(f"{'case':10} {'variant':28} {'ms':>8} {'TFLOP/s (content)':>18}")
     for r in rows:
-        print(f"{r[0]:10} {r[1]:26} {r[2]:8.3f} {r[3]:18.1f}", flush=True)
+        print(f"{r[0]:10} {r[1]:28} {r[2]:8.3f} {r[3]:18.1f}", flush=True)
 
 
 if __name__ == "__main__":

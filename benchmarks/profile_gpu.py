@@ -77,13 +77,14 @@ def deberta_kernel(dev):
                 f = lambda: db.deberta_attention_bwd(do, q, k, v, o, lse, *args[3:])  # noqa: E731
                 f()
                 timed(f"bwd lowp={int(lowp)}", f, 2.5)
-        # forward: pipeline stages (2 ship); far tiles' compact band (`COMPACT_BAND`, with the full c2p
-        # band); register caps (168 ships: 3 programs of 4 warps per SM); the whole c2p band per tile
-        # instead of the carried half (`C2P_REUSE`, ships on)
-        fwd_variants = {"fwd st3": {"NUM_STAGES": 3}, "fwd compact": {"COMPACT_BAND": True, "C2P_REUSE": False},
-                        "fwd uncapped": {"MAXNREG": None}, "fwd maxnreg 128": {"MAXNREG": 128},
-                        "fwd full c2p band": {"C2P_REUSE": False},
-                        "fwd full c2p band uncapped": {"C2P_REUSE": False, "MAXNREG": None}}
+        # forward: the shipped wide tiles (64 x 32, `deberta_fwd_wide.py`) vs the 32 x 32 ones (with
+        # the carried c2p half band, and with the whole band per tile); the wide tiles uncapped (168
+        # ships: 3 programs per SM), with 2 pipeline stages (1 ships), with p2c as three (32, 32)
+        # mma.sync chunks instead of two (64, 32) wgmma ones
+        fwd_variants = {"fwd 32-row tiles": {"WIDE_TILES": False},
+                        "fwd 32-row full c2p band": {"WIDE_TILES": False, "C2P_REUSE": False},
+                        "fwd wide uncapped": {"WIDE_MAXNREG": None}, "fwd wide 2 stages": {"WIDE_STAGES": 2},
+                        "fwd wide p2c 3 chunks": {"WIDE_P2C": False}}
         for label, sw in fwd_variants.items():
             with common.module_switches(dict.fromkeys(sw, da), sw):
                 f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731

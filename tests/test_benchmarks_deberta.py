@@ -216,3 +216,9 @@ def test_band_split_launcher_matches_the_shipped_forward():
     content, _ = da.deberta_attention_fwd(q, k, v, cu, 37, None, None, 4, 8, 0.125)
     for band in (True, False):
         torch.testing.assert_close(run(c2p=False, p2c=False, band=band), content, rtol=1e-4, atol=1e-4)
+    # the wide tiles at (32, 16) (block 16 = WIDE_N), their options set through `launch`
+    want, _ = da.deberta_attention_fwd(q, k, v, cu, 37, pk, pq, 4, 8, 0.125)
+    for p2c_wide in (True, False):
+        got = run(c2p=True, p2c=True, band=True, WIDE_M=32, WIDE_N=16, WIDE_P2C=p2c_wide)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert da.WIDE_N == 32  # restored

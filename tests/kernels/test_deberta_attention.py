@@ -271,14 +271,26 @@ for fn, extra in ((DA._fwd_kernel, dict(fwd, COMPACT_W=0)), (DA._fwd_kernel, dic
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=DA.launch_config(DA.BLOCK_MAX))
     assert "cubin" in k.asm, fn.__name__
+from packedenc.kernels.triton import deberta_fwd_wide as W
+fn = W._fwd_wide_kernel
+for p2c_wide in (True, False):  # the wide forward as launched (`deberta_attention._launch_wide`)
+    consts = dict(HEAD_DIM=64, BLOCK_K=64, BLOCK_M=DA.WIDE_M, BLOCK_N=DA.WIDE_N, NS=2 * DA.WIDE_N, C2P=True,
+                  P2C=True, STORE_LSE=True, PREC="tf32", LOWP=DA.LOWP_GATHER, P2C_WIDE=p2c_wide)
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a == "qk_scale" else "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a].startswith("*") or (a.startswith("s_") and a != "s_lse_t")}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=DA.WIDE_WARPS, num_stages=DA.WIDE_STAGES, maxnreg=DA.WIDE_MAXNREG))
+    assert "cubin" in k.asm and "wgmma" in k.asm["ptx"], fn.__name__
 print("compiled")
 '''
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile the kernels for real")
 def test_kernels_compile_for_sm90_without_a_gpu():
-    """The interpreter never lowers tl.gather / tl.dot layouts: compile the forward (as shipped, with
-    the compact band, with the c2p reuse) and the backward kernels for an H100/H200 (bf16, K = 64, the shipped tile)
+    """The interpreter never lowers tl.gather / tl.dot layouts: compile the forward (32-row tiles as
+    shipped, with the compact band, with the c2p reuse; the wide tiles, whose GEMMs must lower to
+    wgmma) and the backward kernels for an H100/H200 (bf16, K = 64, the shipped tile)
     ahead of time, no driver needed."""
     import os
     import subprocess
@@ -376,3 +388,31 @@ def test_c2p_reuse_matches_reference(types, block, reuse, monkeypatch):
         assert err(o.float(), ref) <= tol, (dtype, err(o.float(), ref))
         want_lse = DB.reference_lse(*_f32(q, k), cu, max(lengths), *_f32(pk, pq), buckets, max_pos, 0.2)
         assert err(lse, want_lse) <= 50 * tol, (dtype, err(lse, want_lse))
+
+
+@pytest.mark.parametrize("types", [("c2p", "p2c"), ("c2p",), ("p2c",)])
+@pytest.mark.parametrize("p2c_wide", [True, False])
+def test_wide_tiles_match_reference(types, p2c_wide, monkeypatch):
+    """The wide forward (`deberta_fwd_wide.py`: 2N query rows per N-key band tile, c2p in three N-wide
+    chunks of which two are carried, p2c in two 2N-row or three N-row chunks) at (32, 16) tiles:
+    sequences of 1, 17, 100 and 40 tokens with 8 buckets up to 64 give runs of band tiles, single
+    ones and saturated ranges around them; then the shipped (64, 32) tiles with DeBERTa-v3's buckets
+    on sequences of 70 and 130 tokens (all band). fp32 and fp16, output and lse."""
+    monkeypatch.setattr(DA, "WIDE_TILES", True)
+    monkeypatch.setattr(DA, "WIDE_P2C", p2c_wide)
+    launch, calls = DA._launch_wide, []
+    monkeypatch.setattr(DA, "_launch_wide", lambda *a: calls.append(1) or launch(*a))
+    for block, (wm, wn), lengths, buckets, max_pos in ((16, (32, 16), [1, 17, 100, 40], 8, 64),
+                                                       (32, (64, 32), [70, 130], 256, 512)):
+        monkeypatch.setattr(DA, "BLOCK_MAX", block)
+        monkeypatch.setattr(DA, "WIDE_M", wm)
+        monkeypatch.setattr(DA, "WIDE_N", wn)
+        calls.clear()
+        for dtype, tol in ((torch.float32, 2e-6), (torch.float16, 2e-3)):
+            q, k, v, cu, pk, pq = _inputs(lengths, types, buckets, max_pos, dtype=dtype)
+            o, lse = DA.deberta_attention_fwd(q, k, v, cu, max(lengths), pk, pq, buckets, max_pos, 0.2)
+            ref = _ref(*_f32(q, k, v), cu, max(lengths), *_f32(pk, pq), types, buckets, max_pos, 0.2)
+            assert err(o.float(), ref) <= tol, (block, dtype, err(o.float(), ref))
+            want_lse = DB.reference_lse(*_f32(q, k), cu, max(lengths), *_f32(pk, pq), buckets, max_pos, 0.2)
+            assert err(lse, want_lse) <= 50 * tol, (block, dtype, err(lse, want_lse))
+        assert len(calls) == 2  # both dtypes took the wide kernel

@@ -319,6 +319,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: 
     pq = pos_query if pos_query is not None else q
     BLOCK = block_size(max_seqlen)
     BLOCK_K = max(16, triton.next_power_of_2(Kd))
+    if WIDE_TILES and BLOCK == WIDE_N and max_seqlen > WIDE_N and BLOCK_K <= 64:
+        return _launch_wide(q, k, v, cu_seqlens, max_seqlen, pk, pq, table, bounds, scale, c2p, p2c, store_lse, o, lse)
     for cu, n_seq in seq_chunks(cu_seqlens):
         _fwd_kernel[(triton.cdiv(max_seqlen, BLOCK), H, n_seq)](
             q, k, v, pk, pq, table[0], cu, o, lse,
@@ -330,6 +332,36 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: 
             C2P=c2p, P2C=p2c, STORE_LSE=store_lse, PREC=_prec(q.dtype),
             LOWP=LOWP_GATHER and q.dtype != torch.float32, COMPACT_W=compact_width(BLOCK), C2P_REUSE=C2P_REUSE,
             **launch_config(BLOCK, Kd),
+        )
+    return o, lse
+
+
+# Wide band tiles (`deberta_fwd_wide.py`): WIDE_M = 2 * WIDE_N query rows, one warpgroup's wgmma,
+# for batches whose 32-row tiles would be full (max_seqlen > WIDE_N) and head dims <= 64. H200,
+# fp16, H=12, K=64 (benchmarks/NOTES.md): doc1k 64k pack 3.59 vs 4.02 ms, 8192 tokens 1.92 vs 2.44.
+WIDE_TILES = True
+WIDE_M, WIDE_N = 64, 32
+# 4 warps, 1 stage (2 stages: 4.29 ms on the pack), register cap 168: 3 programs per SM instead of 2
+# (uncapped 255 registers; pack 3.59 vs 3.77 ms). Both p2c halves as (WIDE_M, WIDE_N) wgmma GEMMs
+# (WIDE_P2C) beat three (WIDE_N, WIDE_N) mma.sync chunks (3.77 vs 3.87 ms uncapped) though they
+# compute 128 slot rows for 95 distances.
+WIDE_WARPS, WIDE_STAGES, WIDE_MAXNREG, WIDE_P2C = 4, 1, 168, True
+
+
+def _launch_wide(q, k, v, cu_seqlens, max_seqlen, pk, pq, table, bounds, scale, c2p, p2c, store_lse, o, lse):
+    """`launch_fwd` on (WIDE_M, WIDE_N) band tiles."""
+    T, H, Kd = q.shape
+    for cu, n_seq in seq_chunks(cu_seqlens):
+        _wide._fwd_wide_kernel[(triton.cdiv(max_seqlen, WIDE_M), H, n_seq)](
+            q, k, v, pk, pq, table[0], cu, o, lse,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+            table[1], *bounds, scale * LOG2E,
+            HEAD_DIM=Kd, BLOCK_K=max(16, triton.next_power_of_2(Kd)), BLOCK_M=WIDE_M, BLOCK_N=WIDE_N,
+            NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * WIDE_N,
+            C2P=c2p, P2C=p2c, STORE_LSE=store_lse, PREC=_prec(q.dtype),
+            LOWP=LOWP_GATHER and q.dtype != torch.float32, P2C_WIDE=WIDE_P2C,
+            num_warps=WIDE_WARPS, num_stages=WIDE_STAGES, **register_cap(WIDE_MAXNREG),
         )
     return o, lse
 
@@ -451,3 +483,4 @@ def deberta_attention(
 
 # Imported last: the backward module reads this module's helpers at import.
 from packedenc.kernels.triton import deberta_attention_bwd as _bwd  # noqa: E402
+from packedenc.kernels.triton import deberta_fwd_wide as _wide  # noqa: E402

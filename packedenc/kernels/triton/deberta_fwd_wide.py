@@ -1,0 +1,137 @@
+"""The DeBERTa forward on wide tiles: 64 query rows (one Hopper warpgroup's wgmma) x 32 key rows.
+
+Same math, same slot table, same saturated fast path as `deberta_attention._fwd_kernel`; only the
+band tile changes shape. With M = 2N query rows per key tile, a band tile's distances
+i - j = d0 + u, u = m - n + N - 1 in [0, M + N - 1), fall in three N-wide chunks of slots:
+  - c2p: C_c = q @ PK[slot(d0 + cN + t)]^T, (M, N) each. The next key tile (j0 + N, d0 - N) has
+    chunk c + 1 = this tile's chunk c, so only chunk 0 is fresh per tile (one (M, N, K) GEMM, what
+    q @ k^T costs) and chunks 1, 2 are carried;
+  - p2c: G_c = PQ[slot(d0 + cN + t)] @ k^T, (N, N) each, all three fresh (keys change per tile):
+    1.5 x q @ k^T;
+  - each term picks C_c[m, u - cN] / G_c[u - cN, n] with `tl.gather` from the chunk that holds u.
+A band tile costs 4.5 (M, N, K) GEMMs against 2 for a flash tile (the 32-row kernel: 5 against 2),
+and the 64-row GEMMs run as wgmma (H200: content alone 2.5x faster than through 32 x 32 tiles).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from packedenc.kernels.triton.deberta_attention import _fold, _saturated_range, _softmax_step
+from packedenc.kernels.triton.deberta_scores import _c2p_half
+from packedenc.kernels.triton.deberta_slots import _slot
+
+__all__ = ["_fwd_wide_kernel"]
+
+
+@triton.jit
+def _p2c_chunk(k, PQ, SLOT, d_lo, half, s_pq_r, offs_k, kmask, U: tl.constexpr, PREC: tl.constexpr,
+               LOWP: tl.constexpr):
+    """PQ[slot(d_lo + u)] @ k^T for u in [0, U): a chunk of a tile's p2c band, (U, N)."""
+    slot_u = _slot(SLOT, d_lo + tl.arange(0, U), half).to(tl.int64)
+    pqr = tl.load(PQ + slot_u[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+    g = tl.dot(pqr.to(k.dtype), tl.trans(k), input_precision=PREC)
+    if LOWP:
+        g = g.to(k.dtype)
+    return g
+
+
+@triton.jit
+def _pick3(x0, x1, x2, idx, N: tl.constexpr, AXIS: tl.constexpr):
+    """x[idx] along AXIS of the band [x0 | x1 | x2] held as three N-wide chunks, as fp32."""
+    v0 = tl.gather(x0, tl.minimum(idx, N - 1), axis=AXIS)
+    v1 = tl.gather(x1, tl.minimum(tl.maximum(idx - N, 0), N - 1), axis=AXIS)
+    v2 = tl.gather(x2, tl.minimum(tl.maximum(idx - 2 * N, 0), N - 1), axis=AXIS)
+    return tl.where(idx < N, v0, tl.where(idx < 2 * N, v1, v2)).to(tl.float32)
+
+
+@triton.jit
+def _pick2(x0, x1, idx, U: tl.constexpr, AXIS: tl.constexpr):
+    """x[idx] along AXIS of the band [x0 | x1] held as two U-wide chunks, as fp32."""
+    v0 = tl.gather(x0, tl.minimum(idx, U - 1), axis=AXIS)
+    v1 = tl.gather(x1, tl.maximum(idx - U, 0), axis=AXIS)
+    return tl.where(idx < U, v0, v1).to(tl.float32)
+
+
+@triton.jit
+def _fwd_wide_kernel(
+    Q, K, V, PK, PQ, SLOT, CU, O, LSE,
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
+    s_pk_r, s_pk_h, s_pq_r, s_pq_h, s_o_t, s_o_h, s_lse_t,
+    half, D_LO, D_HI, SLOT_MIN, SLOT_MAX, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows (= 2 * BLOCK_N)
+    BLOCK_N: tl.constexpr,  # key rows of a band tile
+    NS: tl.constexpr,  # key rows of a saturated tile (a multiple of BLOCK_N)
+    C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+    P2C_WIDE: tl.constexpr = False,
+):
+    """`deberta_attention._fwd_kernel` (same arguments, same ranges) on (BLOCK_M, BLOCK_N) band tiles."""
+    tl.static_assert(BLOCK_M == 2 * BLOCK_N)
+    pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(CU + seq).to(tl.int64)
+    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    i0 = pid_m * BLOCK_M
+    if i0 >= L:
+        return
+    hh = h.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < HEAD_DIM
+    mmask = (i0 + offs_m) < L
+    rows = start + i0 + offs_m.to(tl.int64)
+    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :],
+                mask=mmask[:, None] & kmask[None, :], other=0.0)
+    idx = offs_m[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # band column u of pair (m, n)
+    PKh = PK + hh * s_pk_h
+    PQh = PQ + hh * s_pq_h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    # the three key ranges of `_fwd_kernel`: [0, e1) all d >= D_HI, [e1, s3) band, [s3, L) all d <= D_LO
+    e1 = tl.minimum(tl.maximum(i0 - D_HI + 1, 0) // NS * NS, L)
+    gap = tl.maximum(i0 + BLOCK_M - 1 - D_LO - e1, 0)
+    s3 = tl.minimum(e1 + (gap + BLOCK_N - 1) // BLOCK_N * BLOCK_N, L)
+    qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MAX, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
+    m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, 0, e1, hh, s_k_t, s_k_h, s_v_t, s_v_h,
+                                     offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
+    if C2P:  # chunks 1 and 2 of the first band tile's c2p band (d0(e1) + N .., d0(e1) + 2N ..)
+        d_first = i0 - e1 - (BLOCK_N - 1)
+        c1 = _c2p_half(q, PKh, SLOT, d_first + BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+        c2 = _c2p_half(q, PKh, SLOT, d_first + 2 * BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+    for j0 in range(e1, s3, BLOCK_N):
+        nmask = (j0 + offs_n) < L
+        cols = start + j0 + offs_n.to(tl.int64)
+        kv_mask = nmask[:, None] & kmask[None, :]
+        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        d0 = i0 - j0 - (BLOCK_N - 1)
+        if C2P:  # chunk 0 fresh; this tile's chunks 0, 1 are the next tile's 1, 2
+            c0 = _c2p_half(q, PKh, SLOT, d0, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+            s += _pick3(c0, c1, c2, idx, BLOCK_N, 1)
+            c2 = c1
+            c1 = c0
+        if P2C:
+            if P2C_WIDE:  # two (M, N) chunks: wgmma-shaped, 33 of their 128 slot rows unused
+                g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
+                g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_M, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
+                s += _pick2(g0, g1, idx, BLOCK_M, 0)
+            else:
+                g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+                g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_N, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+                g2 = _p2c_chunk(k, PQh, SLOT, d0 + 2 * BLOCK_N, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+                s += _pick3(g0, g1, g2, idx, BLOCK_N, 0)
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
+    qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
+    m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, s3, L, hh, s_k_t, s_k_h, s_v_t, s_v_h,
+                                     offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
+    out = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * s_o_t + hh * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None] & kmask[None, :])
+    if STORE_LSE:
+        tl.store(LSE + rows * s_lse_t + hh, m_i + tl.log2(l_i), mask=mmask)
