@@ -3,14 +3,16 @@
 Same math, same slot table, same saturated fast path as `deberta_attention._fwd_kernel`; only the
 band tile changes shape. With M = 2N query rows per key tile, a band tile's distances
 i - j = d0 + u, u = m - n + N - 1 in [0, M + N - 1), fall in three N-wide chunks of slots:
-  - c2p: C_c = q @ PK[slot(d0 + cN + t)]^T, (M, N) each. The next key tile (j0 + N, d0 - N) has
-    chunk c + 1 = this tile's chunk c, so only chunk 0 is fresh per tile (one (M, N, K) GEMM, what
-    q @ k^T costs) and chunks 1, 2 are carried;
-  - p2c: G_c = PQ[slot(d0 + cN + t)] @ k^T, (N, N) each, all three fresh (keys change per tile):
-    1.5 x q @ k^T;
-  - each term picks C_c[m, u - cN] / G_c[u - cN, n] with `tl.gather` from the chunk that holds u.
-A band tile costs 4.5 (M, N, K) GEMMs against 2 for a flash tile (the 32-row kernel: 5 against 2),
-and the 64-row GEMMs run as wgmma (H200: content alone 2.5x faster than through 32 x 32 tiles).
+  - c2p: C_c = q @ PK[slot(d0 + cN + t)]^T, (M, N) each, picked as C_c[m, u % N] for the pairs whose
+    u // N is c. The next key tile (j0 + N, d0 - N) has chunk c + 1 = this tile's chunk c, and the
+    pick index u % N does not depend on the tile, so each tile computes and gathers chunk 0 only
+    (one (M, N, K) GEMM, what q @ k^T costs) and carries the gathered chunks 1 and 2;
+  - p2c: G = PQ[slot(d0 + u)] @ k^T over u in [0, 2M) as two (M, N) GEMMs (WIDE_P2C; 33 of the
+    128 slot rows unused), or three (N, N) ones; all fresh (keys change per tile); picked as
+    G[u, n] with `tl.gather` along the rows.
+A band tile costs 5 (M, N, K) GEMMs against 2 for a flash tile (the 32-row kernel: 5 against 2 as
+well), but the 64-row GEMMs run as wgmma (H200: content alone 2.2x faster than through 32 x 32
+tiles) and c2p gathers one chunk per tile.
 """
 
 from __future__ import annotations
@@ -38,20 +40,22 @@ def _p2c_chunk(k, PQ, SLOT, d_lo, half, s_pq_r, offs_k, kmask, U: tl.constexpr, 
 
 
 @triton.jit
-def _pick3(x0, x1, x2, idx, N: tl.constexpr, AXIS: tl.constexpr):
-    """x[idx] along AXIS of the band [x0 | x1 | x2] held as three N-wide chunks, as fp32."""
-    v0 = tl.gather(x0, tl.minimum(idx, N - 1), axis=AXIS)
-    v1 = tl.gather(x1, tl.minimum(tl.maximum(idx - N, 0), N - 1), axis=AXIS)
-    v2 = tl.gather(x2, tl.minimum(tl.maximum(idx - 2 * N, 0), N - 1), axis=AXIS)
-    return tl.where(idx < N, v0, tl.where(idx < 2 * N, v1, v2)).to(tl.float32)
+def _pick3(x0, x1, x2, lo, hi, AXIS: tl.constexpr):
+    """x[idx] along AXIS of the band [x0 | x1 | x2] held as three N-wide chunks, as fp32; lo = idx % N,
+    hi = idx // N (one index tensor for the three gathers keeps the loop's live registers down)."""
+    v0 = tl.gather(x0, lo, axis=AXIS)
+    v1 = tl.gather(x1, lo, axis=AXIS)
+    v2 = tl.gather(x2, lo, axis=AXIS)
+    return tl.where(hi == 0, v0, tl.where(hi == 1, v1, v2)).to(tl.float32)
 
 
 @triton.jit
-def _pick2(x0, x1, idx, U: tl.constexpr, AXIS: tl.constexpr):
-    """x[idx] along AXIS of the band [x0 | x1] held as two U-wide chunks, as fp32."""
-    v0 = tl.gather(x0, tl.minimum(idx, U - 1), axis=AXIS)
-    v1 = tl.gather(x1, tl.maximum(idx - U, 0), axis=AXIS)
-    return tl.where(idx < U, v0, v1).to(tl.float32)
+def _pick2(x0, x1, lo, hi, AXIS: tl.constexpr):
+    """x[idx] along AXIS of the band [x0 | x1] held as two U-wide chunks, as fp32; lo = idx % U,
+    hi = idx // U."""
+    v0 = tl.gather(x0, lo, axis=AXIS)
+    v1 = tl.gather(x1, lo, axis=AXIS)
+    return tl.where(hi == 0, v0, v1).to(tl.float32)
 
 
 @triton.jit
@@ -85,6 +89,8 @@ def _fwd_wide_kernel(
     q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :],
                 mask=mmask[:, None] & kmask[None, :], other=0.0)
     idx = offs_m[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # band column u of pair (m, n)
+    lo_n = idx % BLOCK_N  # u in its c2p chunk
+    hi_n = idx // BLOCK_N  # the chunk
     PKh = PK + hh * s_pk_h
     PQh = PQ + hh * s_pq_h
 
@@ -100,8 +106,10 @@ def _fwd_wide_kernel(
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
     if C2P:  # chunks 1 and 2 of the first band tile's c2p band (d0(e1) + N .., d0(e1) + 2N ..)
         d_first = i0 - e1 - (BLOCK_N - 1)
-        c1 = _c2p_half(q, PKh, SLOT, d_first + BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
-        c2 = _c2p_half(q, PKh, SLOT, d_first + 2 * BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
+        c1 = tl.gather(_c2p_half(q, PKh, SLOT, d_first + BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP),
+                       lo_n, axis=1)
+        c2 = tl.gather(_c2p_half(q, PKh, SLOT, d_first + 2 * BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC,
+                                 LOWP), lo_n, axis=1)
     for j0 in range(e1, s3, BLOCK_N):
         nmask = (j0 + offs_n) < L
         cols = start + j0 + offs_n.to(tl.int64)
@@ -111,20 +119,20 @@ def _fwd_wide_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         d0 = i0 - j0 - (BLOCK_N - 1)
         if C2P:  # chunk 0 fresh; this tile's chunks 0, 1 are the next tile's 1, 2
-            c0 = _c2p_half(q, PKh, SLOT, d0, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
-            s += _pick3(c0, c1, c2, idx, BLOCK_N, 1)
+            c0 = tl.gather(_c2p_half(q, PKh, SLOT, d0, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP), lo_n, axis=1)
+            s += tl.where(hi_n == 0, c0, tl.where(hi_n == 1, c1, c2)).to(tl.float32)
             c2 = c1
             c1 = c0
         if P2C:
             if P2C_WIDE:  # two (M, N) chunks: wgmma-shaped, 33 of their 128 slot rows unused
                 g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
                 g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_M, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
-                s += _pick2(g0, g1, idx, BLOCK_M, 0)
+                s += _pick2(g0, g1, idx % BLOCK_M, idx // BLOCK_M, 0)
             else:
                 g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
                 g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_N, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
                 g2 = _p2c_chunk(k, PQh, SLOT, d0 + 2 * BLOCK_N, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
-                s += _pick3(g0, g1, g2, idx, BLOCK_N, 0)
+                s += _pick3(g0, g1, g2, lo_n, hi_n, 0)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
