@@ -346,6 +346,10 @@ WIDE_M, WIDE_N = 64, 32
 # (WIDE_P2C) beat three (WIDE_N, WIDE_N) mma.sync chunks (3.77 vs 3.87 ms uncapped) though they
 # compute 128 slot rows for 95 distances.
 WIDE_WARPS, WIDE_STAGES, WIDE_MAXNREG, WIDE_P2C = 4, 1, 168, True
+# Key rows of a saturated tile of the wide kernel; c2p + p2c summed in the input dtype before they
+# join q @ k^T (half the bytes of that layout conversion, one more rounding: HF's eager sums there
+# in fp16 too). Both to be timed.
+WIDE_NS, WIDE_POS_LOWP = 64, False
 
 
 def _launch_wide(q, k, v, cu_seqlens, max_seqlen, pk, pq, table, bounds, scale, c2p, p2c, store_lse, o, lse):
@@ -358,9 +362,10 @@ def _launch_wide(q, k, v, cu_seqlens, max_seqlen, pk, pq, table, bounds, scale, 
             pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), lse.stride(0),
             table[1], *bounds, scale * LOG2E,
             HEAD_DIM=Kd, BLOCK_K=max(16, triton.next_power_of_2(Kd)), BLOCK_M=WIDE_M, BLOCK_N=WIDE_N,
-            NS=(SATURATED_TILE_SHORT if max_seqlen <= SHORT_MAX_SEQLEN else SATURATED_TILE) * WIDE_N,
+            NS=WIDE_NS,
             C2P=c2p, P2C=p2c, STORE_LSE=store_lse, PREC=_prec(q.dtype),
             LOWP=LOWP_GATHER and q.dtype != torch.float32, P2C_WIDE=WIDE_P2C,
+            POS_LOWP=WIDE_POS_LOWP and LOWP_GATHER and q.dtype != torch.float32,
             num_warps=WIDE_WARPS, num_stages=WIDE_STAGES, **register_cap(WIDE_MAXNREG),
         )
     return o, lse

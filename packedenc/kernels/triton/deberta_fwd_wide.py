@@ -70,6 +70,7 @@ def _fwd_wide_kernel(
     NS: tl.constexpr,  # key rows of a saturated tile (a multiple of BLOCK_N)
     C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
     P2C_WIDE: tl.constexpr = False,
+    POS_LOWP: tl.constexpr = False,  # c2p + p2c summed in the input dtype (as HF's eager sums them)
 ):
     """`deberta_attention._fwd_kernel` (same arguments, same ranges) on (BLOCK_M, BLOCK_N) band tiles."""
     tl.static_assert(BLOCK_M == 2 * BLOCK_N)
@@ -116,23 +117,28 @@ def _fwd_wide_kernel(
         kv_mask = nmask[:, None] & kmask[None, :]
         k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
         d0 = i0 - j0 - (BLOCK_N - 1)
+        # the position terms summed in the gathers' layouts first, then added to q @ k^T once
+        if POS_LOWP:
+            pos = tl.zeros([BLOCK_M, BLOCK_N], q.dtype)
+        else:
+            pos = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if C2P:  # chunk 0 fresh; this tile's chunks 0, 1 are the next tile's 1, 2
             c0 = tl.gather(_c2p_half(q, PKh, SLOT, d0, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP), lo_n, axis=1)
-            s += tl.where(hi_n == 0, c0, tl.where(hi_n == 1, c1, c2)).to(tl.float32)
+            pos += tl.where(hi_n == 0, c0, tl.where(hi_n == 1, c1, c2)).to(pos.dtype)
             c2 = c1
             c1 = c0
         if P2C:
             if P2C_WIDE:  # two (M, N) chunks: wgmma-shaped, 33 of their 128 slot rows unused
                 g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
                 g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_M, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
-                s += _pick2(g0, g1, idx % BLOCK_M, idx // BLOCK_M, 0)
+                pos += _pick2(g0, g1, idx % BLOCK_M, idx // BLOCK_M, 0).to(pos.dtype)
             else:
                 g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
                 g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_N, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
                 g2 = _p2c_chunk(k, PQh, SLOT, d0 + 2 * BLOCK_N, half, s_pq_r, offs_k, kmask, BLOCK_N, PREC, LOWP)
-                s += _pick3(g0, g1, g2, lo_n, hi_n, 0)
+                pos += _pick3(g0, g1, g2, lo_n, hi_n, 0).to(pos.dtype)
+        s = tl.dot(q, tl.trans(k), pos.to(tl.float32), input_precision=PREC)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
