@@ -24,8 +24,9 @@ keys fall in three ranges, in sequence order:
     2B^2K (q k^T) + 4B^2K (C) + 4B^2K (P) + 2B^2K (p V) FLOPs, 3x a flash tile. C2P_REUSE (on):
     key tile j0 + N's upper half of C is tile j0's lower half, so C is held as two (M, N) halves
     and only the lower one is computed per tile (2B^2K), 2.5x a flash tile; sequences of
-    <= ~2 x max_relative_positions tokens are all band (doc1k: ~1.07x DisentangledFlash, whose
-    staged tables need fewer FLOPs; benchmarks/NOTES.md).
+    <= ~2 x max_relative_positions tokens are all band.
+On the GPU, batches longer than 32 tokens with head dims <= 64 take `deberta_fwd_wide.py`
+instead: the same ranges and math on (64, 32) band tiles, whose GEMMs are wgmma (WIDE_TILES).
 The fold rounds q + PQ and k + PK to the input dtype once: the same order of error as storing q
 and k in that dtype.
 
@@ -338,18 +339,20 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: 
 
 # Wide band tiles (`deberta_fwd_wide.py`): WIDE_M = 2 * WIDE_N query rows, one warpgroup's wgmma,
 # for batches whose 32-row tiles would be full (max_seqlen > WIDE_N) and head dims <= 64. H200,
-# fp16, H=12, K=64 (benchmarks/NOTES.md): doc1k 64k pack 3.59 vs 4.02 ms, 8192 tokens 1.92 vs 2.44.
+# fp16, H=12, K=64, device ms at cd8b556 (benchmarks/NOTES.md): doc1k batch 0 0.184 vs 0.267 for
+# 32 x 32 tiles, doc1k 64k pack 2.25 vs 3.63, 8192 tokens 1.30 vs 2.11.
 WIDE_TILES = True
 WIDE_M, WIDE_N = 64, 32
-# 4 warps, 1 stage (2 stages: 4.29 ms on the pack), register cap 168: 3 programs per SM instead of 2
-# (uncapped 255 registers; pack 3.59 vs 3.77 ms). Both p2c halves as (WIDE_M, WIDE_N) wgmma GEMMs
-# (WIDE_P2C) beat three (WIDE_N, WIDE_N) mma.sync chunks (3.77 vs 3.87 ms uncapped) though they
-# compute 128 slot rows for 95 distances.
+# 4 warps, 1 stage (2 stages: pack 4.14 vs 3.48 ms at 14a3e8c), register cap 168: 3 programs per SM
+# instead of 2 (pack 2.57 vs 2.55 uncapped, 8192 tokens 1.38 vs 1.53). p2c as two (WIDE_M, WIDE_N)
+# wgmma GEMMs (WIDE_P2C) beats three (WIDE_N, WIDE_N) mma.sync chunks (pack 3.28 vs 3.66 ms at
+# d1e509d) though they compute 128 slot rows for 95 distances.
 WIDE_WARPS, WIDE_STAGES, WIDE_MAXNREG, WIDE_P2C = 4, 1, 168, True
-# Key rows of a saturated tile of the wide kernel; c2p + p2c summed in the input dtype before they
-# join q @ k^T (half the bytes of that layout conversion, one more rounding: HF's eager sums there
-# in fp16 too). Both to be timed.
-WIDE_NS, WIDE_POS_LOWP = 64, False
+# Key rows of a saturated (64, WIDE_NS) tile: 64 (pack 2.57 ms) vs 32 (2.51, but 8192 tokens 1.58 vs
+# 1.38) and 128 (2.68). WIDE_POS_LOWP: c2p + p2c summed in the input dtype before they join q @ k^T,
+# as HF's eager sums them (half the bytes of that layout conversion; one more rounding): pack 2.25
+# vs 2.57 ms, doc1k encode 1.39x vs 1.32x DisentangledFlash; the GPU tests' HF-eager error rule holds.
+WIDE_NS, WIDE_POS_LOWP = 64, True
 
 
 def _launch_wide(q, k, v, cu_seqlens, max_seqlen, pk, pq, table, bounds, scale, c2p, p2c, store_lse, o, lse):

@@ -10,8 +10,12 @@ i - j = d0 + u, u = m - n + N - 1 in [0, M + N - 1), fall in three N-wide chunks
   - p2c: G = PQ[slot(d0 + u)] @ k^T over u in [0, 2M) as two (M, N) GEMMs (WIDE_P2C; 33 of the
     128 slot rows unused), or three (N, N) ones; all fresh (keys change per tile); picked as
     G[u, n] with `tl.gather` along the rows.
+The two picks are summed in the gathers' layouts (in the input dtype with POS_LOWP, as HF's eager
+sums them) and enter q @ k^T as its accumulator, so each tile converts the position sum to the
+wgmma layout once and the softmax stays in that layout (adding each pick to the scores instead
+made Triton 3.6 redo the softmax in a second layout: pack 3.28 vs 2.57 ms on an H200).
 A band tile costs 5 (M, N, K) GEMMs against 2 for a flash tile (the 32-row kernel: 5 against 2 as
-well), but the 64-row GEMMs run as wgmma (H200: content alone 2.2x faster than through 32 x 32
+well), but the 64-row GEMMs run as wgmma (H200: content alone 2.8x faster than through 32 x 32
 tiles) and c2p gathers one chunk per tile.
 """
 
