@@ -26,6 +26,7 @@ VARIANTS = {
     "both (ships)": dict(c2p=True, p2c=True, band=True),
     "both, uncapped": dict(c2p=True, p2c=True, band=True, WIDE_MAXNREG=None),
     "both, p2c in 3 chunks": dict(c2p=True, p2c=True, band=True, WIDE_P2C=False),
+    "both, fp32 position sum": dict(c2p=True, p2c=True, band=True, WIDE_POS_LOWP=False),
     "32x32: none, band loop": dict(c2p=False, p2c=False, band=True, **NARROW),
     "32x32: c2p": dict(c2p=True, p2c=False, band=True, **NARROW),
     "32x32: p2c": dict(c2p=False, p2c=True, band=True, **NARROW),

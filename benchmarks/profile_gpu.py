@@ -80,11 +80,12 @@ def deberta_kernel(dev):
         # forward: the shipped wide tiles (64 x 32, `deberta_fwd_wide.py`) vs the 32 x 32 ones (with
         # the carried c2p half band, and with the whole band per tile); the wide tiles uncapped (168
         # ships: 3 programs per SM), with 2 pipeline stages (1 ships), with p2c as three (32, 32)
-        # mma.sync chunks instead of two (64, 32) wgmma ones
+        # mma.sync chunks instead of two (64, 32) wgmma ones, with c2p + p2c summed in fp32 (fp16 ships)
         fwd_variants = {"fwd 32-row tiles": {"WIDE_TILES": False},
                         "fwd 32-row full c2p band": {"WIDE_TILES": False, "C2P_REUSE": False},
                         "fwd wide uncapped": {"WIDE_MAXNREG": None}, "fwd wide 2 stages": {"WIDE_STAGES": 2},
-                        "fwd wide p2c 3 chunks": {"WIDE_P2C": False}}
+                        "fwd wide p2c 3 chunks": {"WIDE_P2C": False},
+                        "fwd wide fp32 position sum": {"WIDE_POS_LOWP": False}}
         for label, sw in fwd_variants.items():
             with common.module_switches(dict.fromkeys(sw, da), sw):
                 f = lambda: da.deberta_attention_fwd(*args, store_lse=False)  # noqa: E731
