@@ -112,10 +112,23 @@ def test_forward_fp16_two_x_rule(name):
     assert_close_to_ref(o, ref32, ref16, atol=2e-3, what=name)
 
 
-def test_forward_strided_qkv_views_head_dim_tail_loose_max_seqlen_and_chunked_grid(monkeypatch):
+def _wide_tiles(monkeypatch):
+    """Route the forward through the wide kernel at (32, 16) tiles (16-row narrow tiles patched in);
+    returns the list its launcher appends to, one entry per launch."""
+    launch, calls = DA._launch_wide, []
+    monkeypatch.setattr(DA, "WIDE_TILES", True)
+    monkeypatch.setattr(DA, "WIDE_M", 32)
+    monkeypatch.setattr(DA, "WIDE_N", 16)
+    monkeypatch.setattr(DA, "_launch_wide", lambda *a: calls.append(1) or launch(*a))
+    return calls
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_forward_strided_qkv_views_head_dim_tail_loose_max_seqlen_and_chunked_grid(wide, monkeypatch):
     """q/k/v as slices of a fused (T, 3, H, K) qkv, a head dim (24) below its 32-wide block, a
     max_seqlen above the longest sequence (extra query blocks exit early), and the sequences
-    launched two per grid (as packs of more than 65535 sequences are)."""
+    launched two per grid (as packs of more than 65535 sequences are); 32-row and wide tiles."""
+    calls = _wide_tiles(monkeypatch) if wide else []
     monkeypatch.setattr(DA, "MAX_GRID_Z", 2)
     lengths, types = (7, 1, 40), ("c2p", "p2c")
     T = sum(lengths)
@@ -125,9 +138,12 @@ def test_forward_strided_qkv_views_head_dim_tail_loose_max_seqlen_and_chunked_gr
     q, k, v = qkv.unbind(1)
     o, _ = DA.deberta_attention_fwd(q, k, v, cu, 64, pk, pq, 8, 16, 0.3)
     assert err(o, _ref(q, k, v, cu, 40, pk, pq, types, 8, 16, 0.3)) <= 2e-6
+    assert len(calls) == wide
 
 
-def test_isolation_and_determinism():
+@pytest.mark.parametrize("wide", [False, True])
+def test_isolation_and_determinism(wide, monkeypatch):
+    calls = _wide_tiles(monkeypatch) if wide else []
     types, buckets, max_pos = ("c2p", "p2c"), 4, 6
     q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos)
     L = max(LENGTHS)
@@ -140,6 +156,7 @@ def test_isolation_and_determinism():
     q2[other] *= 0.5
     o2, _ = DA.deberta_attention_fwd(q2, k2, v2, cu, L, pk, pq, buckets, max_pos, 0.2)
     assert torch.equal(o2[~other], o[~other]) and not torch.allclose(o2[other], o[other])
+    assert len(calls) == 3 * wide
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -400,11 +417,9 @@ def test_wide_tiles_match_reference(types, p2c_wide, pos_lowp, monkeypatch):
     on sequences of 70 and 130 tokens (all band). fp32 and fp16, output and lse. `WIDE_POS_LOWP`
     rounds c2p + p2c to fp16 once more before they join q @ k^T (fp16 inputs only; HF's eager sums
     them in fp16 as well): twice the fp16 tolerance."""
-    monkeypatch.setattr(DA, "WIDE_TILES", True)
+    calls = _wide_tiles(monkeypatch)
     monkeypatch.setattr(DA, "WIDE_P2C", p2c_wide)
     monkeypatch.setattr(DA, "WIDE_POS_LOWP", pos_lowp)
-    launch, calls = DA._launch_wide, []
-    monkeypatch.setattr(DA, "_launch_wide", lambda *a: calls.append(1) or launch(*a))
     for block, (wm, wn), lengths, buckets, max_pos in ((16, (32, 16), [1, 17, 100, 40], 8, 64),
                                                        (32, (64, 32), [70, 130], 256, 512)):
         monkeypatch.setattr(DA, "BLOCK_MAX", block)
