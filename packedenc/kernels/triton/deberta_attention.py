@@ -73,6 +73,40 @@ def _softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask):
+    """Keys j0 .. j0 + B - 1 of a sequence at `start`: (token rows, key mask, (B, K) mask, k, v)."""
+    nmask = (j0 + offs) < L
+    cols = start + j0 + offs.to(tl.int64)
+    kv_mask = nmask[:, None] & kmask[None, :]
+    k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+    return cols, nmask, kv_mask, k, v
+
+
+@triton.jit
+def _key_ranges(i0, L, D_LO, D_HI, NS: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr):
+    """(e1, s3): a block of ROWS queries from i0 sees its keys in three ranges, in sequence order:
+    [0, e1) far behind (every d >= D_HI, whole NS tiles), [e1, s3) the band (per-pair slots, STEP
+    keys per tile), [s3, L) far ahead (every d <= D_LO). Key 0 comes first, so m_i is finite after
+    the first tile (a sequence has >= 1 token)."""
+    e1 = tl.minimum(tl.maximum(i0 - D_HI + 1, 0) // NS * NS, L)
+    gap = tl.maximum(i0 + ROWS - 1 - D_LO - e1, 0)
+    s3 = tl.minimum(e1 + (gap + STEP - 1) // STEP * STEP, L)
+    return e1, s3
+
+
+@triton.jit
+def _store_rows(O, LSE, acc, m_i, l_i, rows, hh, s_o_t, s_o_h, s_lse_t, offs_k, mmask, kmask,
+                STORE_LSE: tl.constexpr):
+    """The block's output acc / l_i in O's dtype and, if STORE_LSE, its log2-sum-exp2 m_i + log2(l_i)."""
+    out = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * s_o_t + hh * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None] & kmask[None, :])
+    if STORE_LSE:
+        tl.store(LSE + rows * s_lse_t + hh, m_i + tl.log2(l_i), mask=mmask)
+
+
+@triton.jit
 def _saturated_range(qf, pk_row, cst, K, V, start, L, j_lo, j_hi, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs_k, kmask,
                      m_i, l_i, acc, qk_scale, NS: tl.constexpr, C2P: tl.constexpr, PREC: tl.constexpr):
     """Key blocks [j_lo, j_hi) whose every pair shares one slot: s = (q + PQ) . (k + PK) - PQ . PK.
@@ -82,11 +116,7 @@ def _saturated_range(qf, pk_row, cst, K, V, start, L, j_lo, j_hi, hh, s_k_t, s_k
     """
     offs_n = tl.arange(0, NS)
     for j0 in range(j_lo, j_hi, NS):
-        nmask = (j0 + offs_n) < L
-        cols = start + j0 + offs_n.to(tl.int64)
-        kv_mask = nmask[:, None] & kmask[None, :]
-        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        _, nmask, _, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs_n, offs_k, kmask)
         if C2P:
             k = (k.to(tl.float32) + pk_row[None, :]).to(v.dtype)
         s = tl.dot(qf, tl.trans(k), input_precision=PREC)
@@ -151,23 +181,14 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_K], tl.float32)
-    # Keys in three ranges, in sequence order: [0, e1) far behind the block (every d >= D_HI),
-    # [e1, s3) the band (per-pair slots), [s3, L) far ahead (every d <= D_LO). Key 0 comes first,
-    # so m_i is finite after the first tile (a sequence has >= 1 token).
-    e1 = tl.minimum(tl.maximum(i0 - D_HI + 1, 0) // NS * NS, L)
-    gap = tl.maximum(i0 + BLOCK - 1 - D_LO - e1, 0)
-    s3 = tl.minimum(e1 + (gap + BLOCK - 1) // BLOCK * BLOCK, L)
+    e1, s3 = _key_ranges(i0, L, D_LO, D_HI, NS, BLOCK, BLOCK)
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MAX, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
     m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, 0, e1, hh, s_k_t, s_k_h, s_v_t, s_v_h,
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
     if C2P and C2P_REUSE:  # the upper half of the first band tile's c2p band: distances d0(e1) + BLOCK ..
         c_hi = _c2p_half(q, PKh, SLOT, i0 - e1 + 1, half, s_pk_r, offs_k, kmask, BLOCK, PREC, LOWP)
     for j0 in range(e1, s3, BLOCK):
-        nmask = (j0 + offs) < L
-        cols = start + j0 + offs.to(tl.int64)
-        kv_mask = nmask[:, None] & kmask[None, :]
-        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        _, nmask, _, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if C2P and C2P_REUSE:  # lower half fresh (distances d0 ..), upper half = the previous tile's lower half
             c_lo = _c2p_half(q, PKh, SLOT, i0 - j0 - (BLOCK - 1), half, s_pk_r, offs_k, kmask, BLOCK, PREC, LOWP)
@@ -184,11 +205,7 @@ def _fwd_kernel(
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
     m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, s3, L, hh, s_k_t, s_k_h, s_v_t, s_v_h,
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
-    out = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * s_o_t + hh * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
-             mask=mmask[:, None] & kmask[None, :])
-    if STORE_LSE:
-        tl.store(LSE + rows * s_lse_t + hh, m_i + tl.log2(l_i), mask=mmask)
+    _store_rows(O, LSE, acc, m_i, l_i, rows, hh, s_o_t, s_o_h, s_lse_t, offs_k, mmask, kmask, STORE_LSE)
 
 
 # ---- launcher ----------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton import deberta_attention as _fwd
 from packedenc.kernels.triton.deberta_attention import (
-    LOG2E, _prec, block_size, check_inputs, register_cap, seq_chunks, slot_table,
+    LOG2E, _key_block, _prec, block_size, check_inputs, register_cap, seq_chunks, slot_table,
 )
 from packedenc.kernels.triton.deberta_scores import _pos_scores
 from packedenc.kernels.triton.deberta_slots import _slot
@@ -144,17 +144,6 @@ def _query_block(Q, DO, LSE, DELTA, start, i0, L, hh, s_q_t, s_q_h, s_do_t, s_do
     lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
     delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
     return rows, mmask, qmask, q, do, lse, delta
-
-
-@triton.jit
-def _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs, offs_k, kmask):
-    """Keys j0 .. j0 + B - 1 of a sequence at `start`: (token rows, key mask, (B, K) mask, k, v)."""
-    nmask = (j0 + offs) < L
-    cols = start + j0 + offs.to(tl.int64)
-    kv_mask = nmask[:, None] & kmask[None, :]
-    k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
-    return cols, nmask, kv_mask, k, v
 
 
 @triton.jit

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from packedenc.kernels.triton.deberta_slots import _slot
-from packedenc.kernels.triton.deberta_attention_bwd import _key_block, _probs_and_grad, _query_block
+from packedenc.kernels.triton.deberta_attention import _key_block
+from packedenc.kernels.triton.deberta_attention_bwd import _probs_and_grad, _query_block
 
 __all__ = ["_bwd_onepass_kernel"]
 

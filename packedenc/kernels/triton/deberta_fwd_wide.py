@@ -24,7 +24,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from packedenc.kernels.triton.deberta_attention import _fold, _saturated_range, _softmax_step
+from packedenc.kernels.triton.deberta_attention import (
+    _fold, _key_block, _key_ranges, _saturated_range, _softmax_step, _store_rows,
+)
 from packedenc.kernels.triton.deberta_scores import _c2p_half
 from packedenc.kernels.triton.deberta_slots import _slot
 
@@ -102,10 +104,7 @@ def _fwd_wide_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    # the three key ranges of `_fwd_kernel`: [0, e1) all d >= D_HI, [e1, s3) band, [s3, L) all d <= D_LO
-    e1 = tl.minimum(tl.maximum(i0 - D_HI + 1, 0) // NS * NS, L)
-    gap = tl.maximum(i0 + BLOCK_M - 1 - D_LO - e1, 0)
-    s3 = tl.minimum(e1 + (gap + BLOCK_N - 1) // BLOCK_N * BLOCK_N, L)
+    e1, s3 = _key_ranges(i0, L, D_LO, D_HI, NS, BLOCK_M, BLOCK_N)  # the three key ranges of `_fwd_kernel`
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MAX, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
     m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, 0, e1, hh, s_k_t, s_k_h, s_v_t, s_v_h,
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
@@ -116,11 +115,7 @@ def _fwd_wide_kernel(
         c2 = tl.gather(_c2p_half(q, PKh, SLOT, d_first + 2 * BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC,
                                  LOWP), lo_n, axis=1)
     for j0 in range(e1, s3, BLOCK_N):
-        nmask = (j0 + offs_n) < L
-        cols = start + j0 + offs_n.to(tl.int64)
-        kv_mask = nmask[:, None] & kmask[None, :]
-        k = tl.load(K + cols[:, None] * s_k_t + hh * s_k_h + offs_k[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * s_v_t + hh * s_v_h + offs_k[None, :], mask=kv_mask, other=0.0)
+        _, nmask, _, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs_n, offs_k, kmask)
         d0 = i0 - j0 - (BLOCK_N - 1)
         # the position terms summed in the gathers' layouts first, then added to q @ k^T once
         if POS_LOWP:
@@ -148,8 +143,4 @@ def _fwd_wide_kernel(
     qf, pk_row, cst = _fold(q, PKh, PQh, SLOT_MIN, s_pk_r, s_pq_r, offs_k, kmask, C2P, P2C)
     m_i, l_i, acc = _saturated_range(qf, pk_row, cst, K, V, start, L, s3, L, hh, s_k_t, s_k_h, s_v_t, s_v_h,
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
-    out = acc / l_i[:, None]
-    tl.store(O + rows[:, None] * s_o_t + hh * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
-             mask=mmask[:, None] & kmask[None, :])
-    if STORE_LSE:
-        tl.store(LSE + rows * s_lse_t + hh, m_i + tl.log2(l_i), mask=mmask)
+    _store_rows(O, LSE, acc, m_i, l_i, rows, hh, s_o_t, s_o_h, s_lse_t, offs_k, mmask, kmask, STORE_LSE)
