@@ -42,8 +42,12 @@ class Bucket:
     positions: bool = False
 
 
-def default_token_buckets(cap: int, granularity: int = 64, steps_per_octave: int = 8) -> tuple[int, ...]:
-    """Multiples of `granularity`, about `steps_per_octave` per doubling (waste <= ~1/8), up to >= cap."""
+def default_token_buckets(cap: int, granularity: int = 64, steps_per_octave: int = 16) -> tuple[int, ...]:
+    """Multiples of `granularity`, about `steps_per_octave` per doubling (waste <= ~1/16), up to >= cap.
+
+    16 per doubling: the doc1k DeBERTa batches (4-8k tokens in 16 sequences) pad 2.4% of their
+    tokens and add 1.0% dummy attention pairs (the tail is one dummy sequence), against 4.2% and
+    3.0% at 8 per doubling, for 15 graphs instead of 10."""
     out, b = [], granularity
     while True:
         out.append(b)

@@ -277,7 +277,7 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
             one to size their memory pool), so pick a budget near your largest batch.
         backend: op backend for a params target (ignored for callables: bind it yourself).
         device: where the graphs live; default the params' device (or the current CUDA device).
-        token_buckets, seq_buckets: increasing ints; default ~8 token buckets per doubling from
+        token_buckets, seq_buckets: increasing ints; default ~16 token buckets per doubling from
             64 and powers of two for sequences. More buckets waste less padding, capture more graphs.
         max_graphs: LRU size; warmup: eager runs before each capture.
         pad_id: token id of the padding tokens (must be inside the vocabulary).
