@@ -24,6 +24,8 @@ __all__ = [
     "pad",
     "positions_from_cu_seqlens",
     "segment_ids",
+    "longest_first",
+    "check_seq_order",
     "check_cu_seqlens",
     "check_ids",
     "pool",
@@ -88,6 +90,37 @@ def positions_from_cu_seqlens(cu_seqlens: Tensor, total: int) -> Tensor:
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     offset = torch.repeat_interleave(starts, lengths, output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - offset
+
+
+def longest_first(cu_seqlens: Tensor) -> Tensor:
+    """(S,) int32 sequence indices, longest first (ties in index order). No host sync.
+
+    A scheduling hint for kernels that give each sequence its own programs (the DeBERTa attention):
+    started longest first, the short sequences fill the last wave (`check_seq_order`).
+    """
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
+
+
+def check_seq_order(seq_order: Tensor | None, cu_seqlens: Tensor) -> None:
+    """Raise InputError unless `seq_order` is None or a (S,) int32 tensor on cu_seqlens' device.
+
+    Its values must be a permutation of 0..S-1 (as `longest_first` returns): checked on the CPU,
+    not on a GPU (that would sync with the device, as for cu_seqlens' values).
+    """
+    if seq_order is None:
+        return
+    S = cu_seqlens.numel() - 1
+    if not isinstance(seq_order, Tensor) or seq_order.dtype != torch.int32 or seq_order.shape != (S,):
+        got = f"{seq_order.dtype} {tuple(seq_order.shape)}" if isinstance(seq_order, Tensor) else type(seq_order).__name__
+        raise InputError(f"seq_order must be an int32 ({S},) permutation of the sequences "
+                         f"(packedenc.packing.longest_first(cu_seqlens)), got {got}")
+    if seq_order.device != cu_seqlens.device or not seq_order.is_contiguous():
+        raise InputError(f"seq_order must be contiguous and on {cu_seqlens.device}, like cu_seqlens; "
+                         f"got {seq_order.device}{'' if seq_order.is_contiguous() else ', strided'}")
+    if seq_order.device.type == "cpu" and not torch.equal(torch.sort(seq_order).values,
+                                                          torch.arange(S, dtype=torch.int32)):
+        raise InputError(f"seq_order must hold each sequence index 0..{S - 1} exactly once")
 
 
 def _cu_from_lengths(lengths: Tensor) -> Tensor:

@@ -68,3 +68,12 @@ def test_pack_padded_bad_input():
         pe.pack_padded(torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [0, 0, 0]]))
     with pytest.raises(pe.InputError, match="pack_padded"):
         pe.pack(torch.ones(2, 3, dtype=torch.long))
+
+
+def test_longest_first_orders_sequences_by_length_ties_by_index():
+    from packedenc.packing import longest_first
+
+    cu = torch.tensor([0, 3, 10, 13, 14, 21], dtype=torch.int32)  # lengths 3, 7, 3, 1, 7
+    order = longest_first(cu)
+    assert order.dtype == torch.int32 and order.tolist() == [1, 4, 0, 2, 3]
+    assert longest_first(torch.tensor([0], dtype=torch.int32)).numel() == 0

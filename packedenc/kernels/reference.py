@@ -67,21 +67,22 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
 
 def add_layer_norm(
     x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-    x_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    x_bias: Tensor | None = None, keep_sum: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """(LayerNorm(x + residual), x + residual). The sum is rounded to x's dtype *before* the
     statistics, as two separate eager ops would do, and that rounded sum is the new residual.
 
     `x_bias` (D,) in x's dtype, or None: the bias of the linear layer that produced x, moved here
     (the GEMM runs without it) so that kernels get its gradient while they read the sum's. The sum
-    is then x + x_bias + residual, formed in fp32 in that order and rounded once."""
+    is then x + x_bias + residual, formed in fp32 in that order and rounded once. `keep_sum` False
+    returns (y, None): post-LN layers drop the sum, and kernels then need not write it."""
     if x_bias is None:
         s_TD = x_TD + residual_TD
     else:
         check_bias("add_layer_norm", x_bias, x_TD, "x_bias")
         dtype = torch.promote_types(x_TD.dtype, residual_TD.dtype)
         s_TD = (x_TD.float() + x_bias.float() + residual_TD.float()).to(dtype)
-    return layer_norm(s_TD, weight, bias, eps), s_TD
+    return layer_norm(s_TD, weight, bias, eps), s_TD if keep_sum else None
 
 
 def check_bias(op: str, bias: Tensor, x: Tensor, name: str = "bias") -> None:

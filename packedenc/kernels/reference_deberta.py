@@ -72,6 +72,7 @@ def deberta_attention(
     scale: float,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
+    seq_order: Tensor | None = None,
 ) -> Tensor:
     """DeBERTa-v2 disentangled attention (content + c2p + p2c) inside each packed sequence.
 
@@ -91,14 +92,17 @@ def deberta_attention(
         scale: multiplier of every term, 1 / sqrt(K * (1 + len(config pos_att_type))).
         dropout_p, dropout_seed: dropout on the attention probabilities (training), with a mask
             drawn from a generator seeded by `dropout_seed` (reference backend only).
+        seq_order: (S,) int32 launch order of the sequences for the kernels
+            (`packing.longest_first`); checked, and without effect here.
     Return:
         (T, H, K) in q's dtype. fp32 scores and softmax.
 
     The reference uses a padded (S, H, L, L) grid and HF's bmm + gather over (S, H, L, R) tables;
     a kernel implements the same contract without either.
     """
-    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+    from packedenc.packing import check_seq_order, positions_from_cu_seqlens, segment_ids
 
+    check_seq_order(seq_order, cu_seqlens)
     c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
     assert (pos_key_RHK is not None) == c2p and (pos_query_RHK is not None) == p2c, pos_att_type
     T, H, K = q_THK.shape

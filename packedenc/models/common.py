@@ -19,12 +19,14 @@ def prepare_inputs(
     positions: Tensor | None,
     vocab_size: int | None,
     validate: bool,
-) -> tuple[Tensor, Tensor, int, Tensor]:
+    need_positions: bool = True,
+) -> tuple[Tensor, Tensor, int, Tensor | None]:
     """Check an encode call's inputs and fill in what can be derived.
 
     Dtype/shape checks always run. Value checks (range of ids, monotone cu_seqlens) run when the
     tensors are on the CPU (free) or when `validate=True` (one device sync); the GPU hot loop
-    never syncs unless asked. A missing `max_seqlen` costs one sync.
+    never syncs unless asked. A missing `max_seqlen` costs one sync. Missing positions are derived
+    only when `need_positions` (a model without absolute positions skips those ~8 small kernels).
     """
     check_ids(ids, vocab_size, values=False)
     check_cu_seqlens(cu_seqlens, values=False)
@@ -43,7 +45,7 @@ def prepare_inputs(
     elif values and max_seqlen < int((cu_seqlens[1:] - cu_seqlens[:-1]).max()):
         raise InputError(f"max_seqlen={max_seqlen} is smaller than the longest sequence")
     if positions is None:
-        positions = positions_from_cu_seqlens(cu_seqlens, ids.numel())
+        positions = positions_from_cu_seqlens(cu_seqlens, ids.numel()) if need_positions else None
     elif positions.shape != ids.shape:
         raise InputError(f"positions shape {tuple(positions.shape)} must equal ids shape {tuple(ids.shape)}")
     return ids, cu_seqlens, int(max_seqlen), positions

@@ -11,9 +11,11 @@ import dataclasses
 import pytest
 import torch
 
+from packedenc.errors import InputError
 from packedenc.kernels import get_ops, reference
 from packedenc.kernels.triton import deberta_attention as DA
 from packedenc.kernels.triton import deberta_attention_bwd as DB
+from packedenc.packing import longest_first
 from tests.kernels._assert import DEVICE, assert_close_to_ref, cu_seqlens, err, other_rows
 
 hf = pytest.importorskip("transformers.models.deberta_v2.modeling_deberta_v2")
@@ -159,6 +161,43 @@ def test_isolation_and_determinism(wide, monkeypatch):
     assert len(calls) == 3 * wide
 
 
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_sequence_order_changes_nothing(wide, chunked, monkeypatch):
+    """Programs taking the sequences longest first (or in any permutation) give the same bits; a
+    pack launched in chunks (> MAX_GRID_Z sequences) ignores the order."""
+    calls = _wide_tiles(monkeypatch) if wide else []
+    if chunked:
+        monkeypatch.setattr(DA, "MAX_GRID_Z", 2)
+    types, buckets, max_pos = ("c2p", "p2c"), 4, 6
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos)
+    L = max(LENGTHS)
+    o, lse = DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2)
+    order = longest_first(cu)
+    assert order.tolist() == [1, 2, 3, 4, 0]  # lengths (1, 50, 17, 16, 3)
+    for perm in (order, torch.tensor([3, 0, 4, 2, 1], dtype=torch.int32)):
+        o2, lse2 = DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, buckets, max_pos, 0.2, seq_order=perm.to(DEVICE))
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    assert len(calls) == 3 * wide
+
+
+def test_sequence_order_is_checked():
+    """A seq_order of the wrong dtype, shape or device, or (on the CPU) not a permutation, is an
+    InputError naming the fix, in the kernel's Ops entry and in the reference."""
+    types, buckets, max_pos = ("c2p", "p2c"), 4, 6
+    q, k, v, cu, pk, pq = _inputs(LENGTHS, types, buckets, max_pos, device="cpu")
+    kw = dict(pos_att_type=types, position_buckets=buckets, max_relative_positions=max_pos, scale=0.2)
+    want = reference.deberta_attention(q, k, v, cu, 50, pk, pq, **kw)
+    for fn in (DA.deberta_attention, reference.deberta_attention):
+        got = fn(q, k, v, cu, 50, pk, pq, seq_order=longest_first(cu), **kw)
+        assert torch.equal(got, want)
+        for bad, msg in ((longest_first(cu).long(), "int32"), (torch.arange(4, dtype=torch.int32), r"\(5,\)"),
+                         (torch.tensor([0, 0, 1, 2, 3], dtype=torch.int32), "exactly once"),
+                         ([1, 2, 3, 4, 0], "int32")):
+            with pytest.raises(InputError, match=msg):
+                fn(q, k, v, cu, 50, pk, pq, seq_order=bad, **kw)
+
+
 # ---- backward ---------------------------------------------------------------------------------
 
 
@@ -243,8 +282,9 @@ def _kernel_ops():
     """The reference table with deberta_attention bound to the (interpreted) Triton launcher."""
 
     def attn(q, k, v, cu, L, pk=None, pq=None, *, pos_att_type=(), position_buckets=-1,
-             max_relative_positions=-1, scale):
-        return DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, position_buckets, max_relative_positions, scale)[0]
+             max_relative_positions=-1, scale, seq_order=None):
+        return DA.deberta_attention_fwd(q, k, v, cu, L, pk, pq, position_buckets, max_relative_positions, scale,
+                                        seq_order=seq_order)[0]
 
     return dataclasses.replace(get_ops("reference", "cpu"), deberta_attention=attn)
 
@@ -271,8 +311,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from packedenc.kernels.triton import deberta_attention as DA, deberta_attention_bwd as DB
 p = "*bf16"
-ptrs = dict(Q=p, K=p, V=p, PK=p, PQ=p, SLOT="*i32", CU="*i32", O=p, LSE="*fp32", DO=p, DELTA="*fp32", DQ=p,
-            DPK="*fp32", DK=p, DV=p, DPQ="*fp32")
+ptrs = dict(Q=p, K=p, V=p, PK=p, PQ=p, SLOT="*i32", CU="*i32", ORDER="*i32", O=p, LSE="*fp32", DO=p, DELTA="*fp32",
+            DQ=p, DPK="*fp32", DK=p, DV=p, DPQ="*fp32")
 from packedenc.kernels.triton import deberta_bwd_onepass as OP
 fwd = dict(STORE_LSE=True, NS=2 * DA.BLOCK_MAX, C2P_REUSE=False)
 for fn, extra in ((DA._fwd_kernel, dict(fwd, COMPACT_W=0)), (DA._fwd_kernel, dict(fwd, COMPACT_W=DA.BLOCK_MAX // 2)),
@@ -290,9 +330,10 @@ for fn, extra in ((DA._fwd_kernel, dict(fwd, COMPACT_W=0)), (DA._fwd_kernel, dic
     assert "cubin" in k.asm, fn.__name__
 from packedenc.kernels.triton import deberta_fwd_wide as W
 fn = W._fwd_wide_kernel
-for p2c_wide, pos_lowp in ((True, False), (False, False), (True, True)):  # as `deberta_attention._launch_wide`
+for p2c_wide, pos_lowp, order in ((True, False, False), (False, False, False), (True, True, True)):  # as `_launch_wide`
     consts = dict(HEAD_DIM=64, BLOCK_K=64, BLOCK_M=DA.WIDE_M, BLOCK_N=DA.WIDE_N, NS=DA.WIDE_NS, C2P=True,
-                  P2C=True, STORE_LSE=True, PREC="tf32", LOWP=DA.LOWP_GATHER, P2C_WIDE=p2c_wide, POS_LOWP=pos_lowp)
+                  P2C=True, STORE_LSE=True, PREC="tf32", LOWP=DA.LOWP_GATHER, P2C_WIDE=p2c_wide, POS_LOWP=pos_lowp,
+                  HAS_ORDER=order)
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "fp32" if a == "qk_scale" else "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if sig[a].startswith("*") or (a.startswith("s_") and a != "s_lse_t")}

@@ -58,6 +58,12 @@ def test_add_layer_norm_rounds_the_sum_first(dtype):
     y_ref, s_ref = reference.add_layer_norm(x, r, w, b, 1e-5)
     assert torch.equal(s, s_ref)  # the new residual is exactly the eager rounded sum
     assert_close_to_ref(y, reference.layer_norm(*_f32(s_ref, w, b), 1e-5), y_ref, atol=2e-6, what="add_layer_norm")
+    # post-LN layers drop the sum: the kernel then does not write it, y is the same bits
+    y2, none = L.ln_fwd(x, w, b, 1e-5, residual=r, keep_sum=False)
+    assert none is None and torch.equal(y2, y)
+    for fn in (L.add_layer_norm, reference.add_layer_norm):
+        y3, none = fn(x, r, w, b, 1e-5, keep_sum=False)
+        assert none is None and torch.equal(y3, fn(x, r, w, b, 1e-5)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

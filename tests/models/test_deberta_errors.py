@@ -26,6 +26,20 @@ def test_good_input_runs():
     assert a.shape == b.shape == (5, 16) and torch.isfinite(a).all() and torch.isfinite(b).all()
 
 
+def test_positions_are_derived_only_for_absolute_position_embeddings(monkeypatch):
+    """A v3 model (relative positions only) never builds the (T,) position buffer (~8 small kernels
+    of host and device time per batch); a model with absolute positions still does."""
+    from packedenc.models import common
+
+    calls = []
+    real = common.positions_from_cu_seqlens
+    monkeypatch.setattr(common, "positions_from_cu_seqlens", lambda *a: calls.append(1) or real(*a))
+    pe.encode(PARAMS, IDS, CU)
+    assert calls == []
+    pe.encode(ABS, IDS, CU)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("ids, cu, match", [
     (IDS, CU.float(), "1-D int32"),
     (IDS, torch.tensor([1, 2, 5], dtype=torch.int32), "must start at 0"),

@@ -7,11 +7,25 @@ so the first call inside CUDA-graph capture or under the interpreter behaves lik
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 from torch import Tensor
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints. `triton.cdiv` is a (constexpr) JIT function whose host call costs
+    ~2-4 us of dispatch; launchers compute several grids per call, and an eager doc1k batch of
+    DeBERTa-v3-base is host-bound (benchmarks/NOTES.md)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host ints: `triton.next_power_of_2` is a
+    constexpr function too, with the same dispatch cost as `triton.cdiv`."""
+    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
 
 
 def check_float(name: str, *tensors: Tensor) -> None:
@@ -32,13 +46,14 @@ def rows(x: Tensor) -> Tensor:
     return x2
 
 
+@functools.lru_cache(maxsize=None)  # host time: called on every launch
 def row_tile(width: int, target: int = 4096) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps) for a row-wise kernel over rows of `width` elements.
 
     The whole row sits in registers (BLOCK_D = next power of two); short rows are stacked so
     that one program handles about `target` elements, enough to hide memory latency.
     """
-    block_d = triton.next_power_of_2(width)
+    block_d = next_pow2(width)
     block_t = max(1, min(64, target // block_d))
     elems = block_t * block_d
     num_warps = 1 if elems <= 256 else 2 if elems <= 1024 else 4 if elems <= 4096 else 8 if elems <= 16384 else 16

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels import reference_bwd
-from packedenc.kernels.triton._common import check_float, direct_launch, rows
+from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2, rows
 from packedenc.kernels.triton.glu import _act, _code
 
 __all__ = ["activation", "activation_fwd", "activation_bwd", "bias_activation_fwd", "bias_activation_bwd", "BLOCK"]
@@ -126,7 +126,7 @@ def _bias_act_bwd_kernel(
 def _bias_tile(F: int) -> tuple[int, int]:
     # (BLOCK_T, BLOCK_F): 2048 elements for 4 warps, 16 a thread (two 16-byte loads in bf16); a
     # 256-wide row piece is 512 contiguous bytes. F = 2048 (the issue-6 FFN): 8 column blocks.
-    block_f = min(256, triton.next_power_of_2(F))
+    block_f = min(256, next_pow2(F))
     return max(1, 2048 // block_f), block_f
 
 
@@ -150,7 +150,7 @@ def bias_activation_fwd(x: Tensor, bias: Tensor, act: str, in_place: bool = Fals
     T, F = x2.shape
     if x2.numel():
         BLOCK_T, BLOCK_F = tile or _bias_tile(F)
-        _bias_act_fwd_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(F, BLOCK_F))](
+        _bias_act_fwd_kernel[(cdiv(T, BLOCK_T), cdiv(F, BLOCK_F))](
             x2, bias.contiguous(), y2, T, F, x2.stride(0), y2.stride(0),
             ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=_NUM_WARPS)
     return y2.view(x.shape)
@@ -169,13 +169,13 @@ def bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str, tile: tup
     T, F = x2.shape
     dx = torch.empty((T, F), dtype=x.dtype, device=x.device)
     BLOCK_T, BLOCK_F = tile or _bias_tile(F)
-    n_tiles = triton.cdiv(T, BLOCK_T)
-    tiles_per_prog = max(1, triton.cdiv(n_tiles, programs or BWD_ROW_PROGRAMS))  # fixed by T alone
-    P = max(1, triton.cdiv(n_tiles, tiles_per_prog))
+    n_tiles = cdiv(T, BLOCK_T)
+    tiles_per_prog = max(1, cdiv(n_tiles, programs or BWD_ROW_PROGRAMS))  # fixed by T alone
+    P = max(1, cdiv(n_tiles, tiles_per_prog))
     # every program writes its partial row, so no fill is needed (zeros when there is no launch)
     part = (torch.empty if T and F else torch.zeros)((P, F), dtype=torch.float32, device=x.device)
     if T and F:
-        _bias_act_bwd_kernel[(P, triton.cdiv(F, BLOCK_F))](
+        _bias_act_bwd_kernel[(P, cdiv(F, BLOCK_F))](
             dy2, x2, bias.contiguous(), dx, part, T, F, tiles_per_prog,
             dy2.stride(0), x2.stride(0), dx.stride(0),
             ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=_NUM_WARPS)
@@ -188,7 +188,7 @@ def _fwd(x: Tensor, code: int, block: int = BLOCK, in_place: bool = False) -> Te
     y = xc if in_place and xc.data_ptr() == x.data_ptr() else torch.empty_like(xc)
     n = xc.numel()
     if n:
-        _act_fwd_kernel[(triton.cdiv(n, block),)](xc, y, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
+        _act_fwd_kernel[(cdiv(n, block),)](xc, y, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
     return y
 
 
@@ -211,7 +211,7 @@ def activation_bwd(dy: Tensor, x: Tensor, act: str, block: int = BLOCK) -> Tenso
     dx = torch.empty_like(xc)
     n = xc.numel()
     if n:
-        _act_bwd_kernel[(triton.cdiv(n, block),)](dyc, xc, dx, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
+        _act_bwd_kernel[(cdiv(n, block),)](dyc, xc, dx, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
     return dx
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
-from packedenc.kernels.triton._common import check_float, direct_launch
+from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2
 
 __all__ = ["varlen_attention", "triton_varlen_attention", "varlen_attention_fwd", "prefer_triton", "tiles"]
 
@@ -205,13 +205,13 @@ def varlen_attention_fwd(
     assert scale > 0, f"varlen_attention: the Triton kernel needs scale > 0, got {scale}"
     BM, BN, warps, stages = tile or tiles(T, max_seqlen, (left, right), Kd)
     cu = cu_seqlens if cu_seqlens.is_contiguous() else cu_seqlens.contiguous()
-    _fwd_kernel[(triton.cdiv(T, BM), H)](
+    _fwd_kernel[(cdiv(T, BM), H)](
         q_THK, k_THK, v_THK, o, cu,
         T, S, max(1, (S - 1).bit_length()),
         min(max(left, 0), T), min(max(right, 0), T), scale * LOG2E,  # clamped: no int32 overflow
         q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1),
         v_THK.stride(0), v_THK.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=Kd, BLOCK_K=max(16, triton.next_power_of_2(Kd)), BLOCK_M=BM, BLOCK_N=BN,
+        HEAD_DIM=Kd, BLOCK_K=max(16, next_pow2(Kd)), BLOCK_M=BM, BLOCK_N=BN,
         WINDOW_L=left >= 0, WINDOW_R=right >= 0,
         PREC="ieee" if q_THK.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages,

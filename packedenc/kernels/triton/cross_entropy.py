@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import check_float
+from packedenc.kernels.triton._common import check_float, next_pow2
 
 __all__ = ["linear_cross_entropy", "ce_grad_", "CPU_CHUNK_ELEMS"]
 
@@ -85,7 +85,7 @@ def ce_grad_(logits_MV: Tensor, targets_M: Tensor, block_v: int | None = None) -
     M, V = logits_MV.shape
     loss = torch.empty(M, dtype=torch.float32, device=logits_MV.device)
     if M:
-        BLOCK_V = block_v or min(4096, triton.next_power_of_2(V))
+        BLOCK_V = block_v or min(4096, next_pow2(V))
         num_warps = 8 if BLOCK_V >= 4096 else 4 if BLOCK_V >= 1024 else 1
         _ce_kernel[(M,)](logits_MV, targets_M.contiguous(), loss, V, logits_MV.stride(0),
                          BLOCK_V=BLOCK_V, num_warps=num_warps)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton import deberta_attention as _fwd
+from packedenc.kernels.triton._common import cdiv, next_pow2
 from packedenc.kernels.triton.deberta_attention import (
     LOG2E, _key_block, _prec, block_size, check_inputs, register_cap, seq_chunks, slot_table,
 )
@@ -361,7 +362,7 @@ def deberta_attention_bwd(
         table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, q.device)
         pk = pos_key if pos_key is not None else q
         pq = pos_query if pos_query is not None else q
-        BLOCK_K = max(16, triton.next_power_of_2(Kd))
+        BLOCK_K = max(16, next_pow2(Kd))
         BLOCK = min(block_size(max_seqlen), BLOCK_MAX_BWD)
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                   pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1))
@@ -374,7 +375,7 @@ def deberta_attention_bwd(
         if ONE_PASS:
             dq32 = torch.zeros((T, H, Kd), dtype=torch.float32, device=q.device)
             for cu, n_seq in seq_chunks(cu_seqlens):
-                _bwd_onepass_kernel[(triton.cdiv(max_seqlen, BLOCK), H, n_seq)](
+                _bwd_onepass_kernel[(cdiv(max_seqlen, BLOCK), H, n_seq)](
                     q, k, v, pk, pq, table, cu, do, lse, delta, dq32, dk, dv, dpk_, dpq_,
                     *common, dq32.stride(0), dq32.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
                     dpk_.stride(0), dpk_.stride(-2), dpq_.stride(0), dpq_.stride(-2),
@@ -385,7 +386,7 @@ def deberta_attention_bwd(
             dq.copy_(dq32)
         else:
             for cu, n_seq in seq_chunks(cu_seqlens):
-                grid = (triton.cdiv(max_seqlen, BLOCK), H, n_seq)
+                grid = (cdiv(max_seqlen, BLOCK), H, n_seq)
                 _bwd_dq_kernel[grid](
                     q, k, v, pk, pq, table, cu, do, lse, delta, dq, dpk_,
                     *common, dq.stride(0), dq.stride(1), lse.stride(0), dpk_.stride(0), dpk_.stride(-2),

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from packedenc.kernels.triton.deberta_attention import (
-    _fold, _key_block, _key_ranges, _saturated_range, _softmax_step, _store_rows,
+    _fold, _key_block, _key_ranges, _saturated_range, _sequence, _softmax_step, _store_rows,
 )
 from packedenc.kernels.triton.deberta_scores import _c2p_half
 from packedenc.kernels.triton.deberta_slots import _slot
@@ -66,7 +66,7 @@ def _pick2(x0, x1, lo, hi, AXIS: tl.constexpr):
 
 @triton.jit
 def _fwd_wide_kernel(
-    Q, K, V, PK, PQ, SLOT, CU, O, LSE,
+    Q, K, V, PK, PQ, SLOT, CU, ORDER, O, LSE,
     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h,
     s_pk_r, s_pk_h, s_pq_r, s_pq_h, s_o_t, s_o_h, s_lse_t,
     half, D_LO, D_HI, SLOT_MIN, SLOT_MAX, qk_scale,
@@ -77,10 +77,11 @@ def _fwd_wide_kernel(
     C2P: tl.constexpr, P2C: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
     P2C_WIDE: tl.constexpr = False,
     POS_LOWP: tl.constexpr = False,  # c2p + p2c summed in the input dtype (as HF's eager sums them)
+    HAS_ORDER: tl.constexpr = False,  # grid z runs the sequences in ORDER (longest first)
 ):
     """`deberta_attention._fwd_kernel` (same arguments, same ranges) on (BLOCK_M, BLOCK_N) band tiles."""
     tl.static_assert(BLOCK_M == 2 * BLOCK_N)
-    pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, h, seq = tl.program_id(0), tl.program_id(1), _sequence(ORDER, HAS_ORDER)
     start = tl.load(CU + seq).to(tl.int64)
     L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
     i0 = pid_m * BLOCK_M

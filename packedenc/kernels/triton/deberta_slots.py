@@ -15,8 +15,9 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
+from packedenc.kernels.triton._common import cdiv, next_pow2
 
-__all__ = ["slot_table", "saturation", "table_slots", "NO_SATURATION", "MIN_TABLE_HALF"]
+__all__ = ["slot_table", "saturation", "launch_tables", "table_slots", "NO_SATURATION", "MIN_TABLE_HALF"]
 
 MIN_TABLE_HALF = 8192  # one table serves every max_seqlen <= 8192 (built once, before any graph capture)
 
@@ -47,7 +48,7 @@ def slot_table(position_buckets: int, max_relative_positions: int, R: int, max_s
     of the log buckets then match HF's CPU build exactly) and copied once, so it must exist before
     a CUDA-graph capture (a host copy cannot be captured): the eager warm-up builds it.
     """
-    half = max(MIN_TABLE_HALF, triton.next_power_of_2(max(int(max_seqlen), 1)))
+    half = max(MIN_TABLE_HALF, next_pow2(max(int(max_seqlen), 1)))
     key = (int(position_buckets), int(max_relative_positions), int(R), half, device)
     table = _TABLES.get(key)
     if table is None:
@@ -85,6 +86,22 @@ def saturation(position_buckets: int, max_relative_positions: int, R: int, max_s
     return out
 
 
+_LAUNCH: dict[tuple, tuple[Tensor, int, tuple[int, int, int, int]]] = {}
+
+
+def launch_tables(position_buckets: int, max_relative_positions: int, R: int, max_seqlen: int,
+                  device: torch.device) -> tuple[Tensor, int, tuple[int, int, int, int]]:
+    """(table, half, saturation bounds) in one cached lookup: what every forward launch needs
+    (`slot_table` and `saturation` each hash their key again; eager batches are host-bound)."""
+    half = MIN_TABLE_HALF if max_seqlen <= MIN_TABLE_HALF else next_pow2(int(max_seqlen))
+    key = (position_buckets, max_relative_positions, R, half, device)
+    out = _LAUNCH.get(key)
+    if out is None:
+        table, half = slot_table(position_buckets, max_relative_positions, R, max_seqlen, device)
+        out = _LAUNCH[key] = (table, half, saturation(position_buckets, max_relative_positions, R, max_seqlen, device))
+    return out
+
+
 @triton.jit
 def _slot(SLOT, d, half):
     """Slot of distance(s) d: the table lookup every kernel uses (d clamped to the table)."""
@@ -104,5 +121,5 @@ def table_slots(d: Tensor, position_buckets: int, max_relative_positions: int, R
     table, half = slot_table(position_buckets, max_relative_positions, R, int(d.abs().max()) + 1, d.device)
     d = d.to(torch.int32).contiguous()
     out = torch.empty_like(d)
-    _slots_kernel[(triton.cdiv(d.numel(), 1024),)](table, d, out, d.numel(), half, BLOCK=1024)
+    _slots_kernel[(cdiv(d.numel(), 1024),)](table, d, out, d.numel(), half, BLOCK=1024)
     return out

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels import reference_bwd
-from packedenc.kernels.triton._common import check_float, direct_launch, rows
+from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2, rows
 
 __all__ = ["glu", "glu_fwd", "glu_bwd", "ACT_CODES"]
 
@@ -123,9 +123,9 @@ def _glu_bwd_kernel(
 def _tile(T: int, F: int) -> tuple[tuple[int, int], int, int, int]:
     # 128 x 16 was the fastest of 5 tiles at T=32k, F=1152 on an H200 (benchmarks/NOTES.md);
     # 1152 = 9 x 128, so no masked columns either.
-    BLOCK_F = min(128, triton.next_power_of_2(F))
+    BLOCK_F = min(128, next_pow2(F))
     BLOCK_T = max(1, min(64, 2048 // BLOCK_F))
-    return (triton.cdiv(T, BLOCK_T), triton.cdiv(F, BLOCK_F)), BLOCK_T, BLOCK_F, 4
+    return (cdiv(T, BLOCK_T), cdiv(F, BLOCK_F)), BLOCK_T, BLOCK_F, 4
 
 
 def _code(act: str) -> int:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels import reference_bwd
-from packedenc.kernels.triton._common import check_float, direct_launch, row_tile, rows
+from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, row_tile, rows
 
 __all__ = ["layer_norm", "add_layer_norm", "embed_layer_norm", "ln_fwd", "ln_bwd"]
 
@@ -54,6 +54,7 @@ def _ln_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STORE_SUM: tl.constexpr = True,  # False: the caller drops the sum (post-LN inference)
 ):
     row = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     col = tl.arange(0, BLOCK_D)
@@ -71,8 +72,9 @@ def _ln_fwd_kernel(
         r = tl.load(RES + row[:, None] * stride_r + col[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_XB:  # (x + x_bias) + residual in fp32, the reference's order
             x += tl.load(XB + col, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        s = (x + r).to(SUM.dtype.element_ty)  # the eager residual add rounds here
-        tl.store(SUM + row[:, None] * stride_s + col[None, :], s, mask=mask)
+        s = (x + r).to(Y.dtype.element_ty)  # the eager residual add rounds here (SUM has Y's dtype)
+        if STORE_SUM:
+            tl.store(SUM + row[:, None] * stride_s + col[None, :], s, mask=mask)
         x = s.to(tl.float32)
     mean = tl.sum(x, axis=1) / D
     xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -155,29 +157,32 @@ def _ln_bwd_kernel(
 def ln_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
     residual: Tensor | None = None, ids: Tensor | None = None, x_bias: Tensor | None = None,
+    keep_sum: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward. Return (y, rounded sum or None). With `ids`, `x` is the (V, D) table;
-    `x_bias` (D,) is added to x with the residual (x + x_bias + residual, one rounding)."""
+    `x_bias` (D,) is added to x with the residual (x + x_bias + residual, one rounding). Without
+    `keep_sum` the sum is not written (a quarter of add_layer_norm's memory traffic) and is None."""
     check_float("layer_norm", x, weight)
     D = x.shape[-1]
     assert weight.shape == (D,) and (bias is None or bias.shape == (D,))
     assert x_bias is None or (residual is not None and x_bias.shape == (D,)), "x_bias: (D,), with a residual"
-    x2 = rows(x)
     dtype = x.dtype
-    if residual is not None:
+    if residual is not None and residual.dtype != dtype:
         dtype = torch.promote_types(x.dtype, residual.dtype)  # what `x + residual` gives
-        x2, res2 = rows(x2.to(dtype)), rows(residual.to(dtype))
+        x, residual = x.to(dtype), residual.to(dtype)
+    x2 = rows(x)
+    res2 = rows(residual) if residual is not None else None
     T = ids.numel() if ids is not None else x2.shape[0]
     out_shape = (T, D) if ids is not None else x.shape
     y = torch.empty(out_shape, dtype=dtype, device=x.device)
-    s = torch.empty(out_shape, dtype=dtype, device=x.device) if residual is not None else None
+    s = torch.empty(out_shape, dtype=dtype, device=x.device) if residual is not None and keep_sum else None
     if T == 0:
         return y, s
     BLOCK_T, BLOCK_D, num_warps = row_tile(D)
     y2 = y.view(-1, D)
     s2 = s.view(-1, D) if s is not None else y2
     ids_ = ids.contiguous() if ids is not None else x2  # unused pointer when not gathering
-    _ln_fwd_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _ln_fwd_kernel[(cdiv(T, BLOCK_T),)](
         x2, res2 if residual is not None else x2, x_bias.contiguous() if x_bias is not None else weight, ids_,
         weight.contiguous(),
         bias.contiguous() if bias is not None else weight, y2, s2,
@@ -185,7 +190,7 @@ def ln_fwd(
         x2.stride(0), res2.stride(0) if residual is not None else 0, y2.stride(0), s2.stride(0),
         eps,
         HAS_RES=residual is not None, HAS_XB=x_bias is not None, GATHER=ids is not None,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, STORE_SUM=s is not None,
         BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps,
     )
     return y, s
@@ -211,9 +216,9 @@ def ln_bwd(
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
     # One row per tile: 82 us vs 98 us for four at T=32k, D=768 on an H200 (benchmarks/NOTES.md).
     BLOCK_T, BLOCK_D, num_warps = row_tile(D, target=1024)
-    n_tiles = triton.cdiv(T, BLOCK_T)
-    tiles_per_prog = max(1, triton.cdiv(n_tiles, BWD_PROGRAMS))  # fixed by T alone: deterministic sums
-    P = max(1, triton.cdiv(n_tiles, tiles_per_prog))
+    n_tiles = cdiv(T, BLOCK_T)
+    tiles_per_prog = max(1, cdiv(n_tiles, BWD_PROGRAMS))  # fixed by T alone: deterministic sums
+    P = max(1, cdiv(n_tiles, tiles_per_prog))
     # Every program writes its partial rows, so the buffer needs no fill (zeros when T == 0: no
     # launch). One (P, k, D) buffer: one sum for every parameter gradient (was a sum and a cast each).
     part = (torch.empty if T else torch.zeros)((P, 1 + need_db + need_dxb, D), dtype=torch.float32, device=x.device)
@@ -391,18 +396,20 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
 
 def add_layer_norm(
     x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-    x_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    x_bias: Tensor | None = None, keep_sum: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """(LayerNorm(x + residual), x + residual), the sum rounded before the statistics.
 
     `x_bias` (D,) in x's dtype, or None: the sum is x + x_bias + residual (see
     `reference.add_layer_norm`), and the backward returns its gradient from the LayerNorm
-    backward kernel. A bias of the wrong shape, dtype or device raises InputError."""
+    backward kernel. A bias of the wrong shape, dtype or device raises InputError. `keep_sum`
+    False (post-LN layers drop the sum) returns (y, None), and eager inference skips writing it."""
     if x_bias is not None:
         reference.check_bias("add_layer_norm", x_bias, x_TD, "x_bias")
     if direct_launch(x_TD, residual_TD, weight, bias, x_bias):
-        return ln_fwd(x_TD, weight, bias, eps, residual=residual_TD, x_bias=x_bias)
-    return torch.ops.packedenc.add_layer_norm(x_TD, residual_TD, weight, bias, eps, x_bias)
+        return ln_fwd(x_TD, weight, bias, eps, residual=residual_TD, x_bias=x_bias, keep_sum=keep_sum)
+    y, s = torch.ops.packedenc.add_layer_norm(x_TD, residual_TD, weight, bias, eps, x_bias)
+    return y, s if keep_sum else None
 
 
 def embed_layer_norm(

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference, reference_bwd
-from packedenc.kernels.triton._common import check_float, direct_launch
+from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2
 
 __all__ = ["packed_attention", "packed_attention_fwd", "packed_attention_bwd", "TILE_FWD", "TILE_BWD"]
 
@@ -229,7 +229,7 @@ def _common(qkv: Tensor, cu_seqlens: Tensor, scale: float | None):
     S = cu_seqlens.numel() - 1
     scale = K**-0.5 if scale is None else float(scale)
     cu = cu_seqlens if cu_seqlens.is_contiguous() else cu_seqlens.contiguous()
-    meta = dict(HEAD_DIM=K, BLOCK_K=max(16, triton.next_power_of_2(K)),
+    meta = dict(HEAD_DIM=K, BLOCK_K=max(16, next_pow2(K)),
                 PREC="ieee" if qkv.dtype == torch.float32 else "tf32")
     return T, H, K, S, scale, cu, max(1, (S - 1).bit_length()), meta
 
@@ -250,7 +250,7 @@ def packed_attention_fwd(
     if T == 0 or S <= 0:
         return o, lse2
     BM, BN, warps, stages = tile or TILE_FWD
-    _fwd_kernel[(triton.cdiv(T, BM), H)](
+    _fwd_kernel[(cdiv(T, BM), H)](
         qkv_T3HK, o, lse2 if lse else o, cu, T, S, n_steps, scale * LOG2E,
         qkv_T3HK.stride(0), qkv_T3HK.stride(1), qkv_T3HK.stride(2), o.stride(0), o.stride(1),
         BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, num_warps=warps, num_stages=stages, **meta,
@@ -275,12 +275,12 @@ def packed_attention_bwd(
     owned, inner, warps, stages = tile or TILE_BWD
     st = (qkv_T3HK.stride(0), qkv_T3HK.stride(1), qkv_T3HK.stride(2))
     sg = (dqkv.stride(0), dqkv.stride(1), dqkv.stride(2))
-    _bwd_dq_kernel[(triton.cdiv(T, owned), H)](
+    _bwd_dq_kernel[(cdiv(T, owned), H)](
         qkv_T3HK, out_THK, do, lse2_HT, delta, dqkv, cu, T, S, n_steps, scale * LOG2E, scale,
         *st, out_THK.stride(0), out_THK.stride(1), do.stride(0), do.stride(1), *sg,
         BLOCK_M=owned, BLOCK_N=inner, num_warps=warps, num_stages=stages, **meta,
     )
-    _bwd_dkdv_kernel[(triton.cdiv(T, owned), H)](
+    _bwd_dkdv_kernel[(cdiv(T, owned), H)](
         qkv_T3HK, do, lse2_HT, delta, dqkv, cu, T, S, n_steps, scale * LOG2E, scale,
         *st, do.stride(0), do.stride(1), *sg,
         BLOCK_N=owned, BLOCK_M=inner, num_warps=warps, num_stages=stages, **meta,

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels import reference_bwd
-from packedenc.kernels.triton._common import check_float, direct_launch
+from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2
 
 __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]
 
@@ -116,11 +116,11 @@ def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, t
     if T == 0:
         return
     J = K // 2
-    BLOCK_J = triton.next_power_of_2(J)
-    BLOCK_H = min(triton.next_power_of_2(H), max(1, 1024 // BLOCK_J))
+    BLOCK_J = next_pow2(J)
+    BLOCK_H = min(next_pow2(H), max(1, 1024 // BLOCK_J))
     BLOCK_T = max(1, min(64, TILE_ELEMS // (BLOCK_H * BLOCK_J)))
     num_warps = 4 if BLOCK_T * BLOCK_H * BLOCK_J >= 2048 else 2
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
     v_mode = 0 if ov is None else 1 if xv is not None else 2
     xv_, ov_ = (xq if xv is None else xv), (oq if ov is None else ov)  # unused pointers when mode 0
     _rotary_kernel[grid](

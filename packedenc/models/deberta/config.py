@@ -128,8 +128,7 @@ class DebertaConfig:
     @property
     def scale(self) -> float:
         """1 / sqrt(K * (1 + |pos_att_type|)); HF counts pos_att_type even without relative_attention."""
-        factor = 1 + len(self.pos_att_type)
-        return 1.0 / float(torch.sqrt(torch.tensor(self.head_dim, dtype=torch.float32) * factor))
+        return _scale(self.head_dim, 1 + len(self.pos_att_type))
 
     @property
     def num_labels(self) -> int:
@@ -195,3 +194,16 @@ PRESETS: dict[str, DebertaConfig] = {
                                       intermediate_size=3072, **_V3),
     "v2-xlarge": DebertaConfig(attention_head_size=64, conv_kernel_size=3, conv_act="gelu", **_V3),
 }
+
+
+_SCALES: dict[tuple[int, int], float] = {}
+
+
+def _scale(head_dim: int, factor: int) -> float:
+    """HF's sqrt(K * factor) in float32, inverted; cached: every layer of every forward asks (a
+    torch.tensor and sqrt each time cost ~10 us of host time per layer). A plain dict, which
+    torch.compile traces (it warns on lru_cache)."""
+    out = _SCALES.get((head_dim, factor))
+    if out is None:
+        out = _SCALES[head_dim, factor] = 1.0 / float(torch.sqrt(torch.tensor(head_dim, dtype=torch.float32) * factor))
+    return out

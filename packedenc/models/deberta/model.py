@@ -21,11 +21,11 @@ from packedenc.kernels import Ops, get_ops
 from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.models.deberta.config import DebertaConfig
 from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer, SelfAttention
-from packedenc.packing import pool_first
+from packedenc.packing import longest_first, pool_first
 from packedenc.pytree import tree_cast
 
 
-def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: Tensor | None,
+def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor | None, token_type_ids_T: Tensor | None,
           cfg: DebertaConfig, ops: Ops) -> Tensor:
     """word (+ absolute position) (+ token type) -> embed_proj -> LayerNorm, summed in the params' dtype."""
     ln = p.layer_norm
@@ -36,7 +36,7 @@ def embed(p: Embeddings, ids_T: Tensor, positions_T: Tensor, token_type_ids_T: T
     if p.position_embeddings is not None:
         x_TE = x_TE + p.position_embeddings.weight[positions_T]
     if p.token_type_embeddings is not None:
-        tt_T = positions_T.new_zeros(()).expand_as(ids_T) if token_type_ids_T is None else token_type_ids_T
+        tt_T = ids_T.new_zeros(()).expand_as(ids_T) if token_type_ids_T is None else token_type_ids_T
         x_TE = x_TE + p.token_type_embeddings.weight[tt_T]
     if p.embed_proj is not None:  # before the LayerNorm, as in HF
         x_TE = ops.linear(x_TE, p.embed_proj.weight, None)
@@ -127,11 +127,12 @@ def position_tables(params: DebertaParams, rel_RD: Tensor | None, ops: Ops,
 
 def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_RHK: Tensor | None,
           pos_query_RHK: Tensor | None, cfg: DebertaConfig, ops: Ops, i: int = 0,
-          seed: int | None = None) -> Tensor:
+          seed: int | None = None, seq_order: Tensor | None = None) -> Tensor:
     """One post-LN DeBERTa layer over a padding-free buffer. Pure: returns a new tensor.
 
     `seed` turns on HF's train-mode dropout sites: attention probabilities, attention output and
-    FFN output (before their residual LayerNorms), masks drawn from (seed, layer i, site)."""
+    FFN output (before their residual LayerNorms), masks drawn from (seed, layer i, site).
+    `seq_order`: the attention kernel's sequence order (`packing.longest_first`), or None."""
     T, H, K = x_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
     qkv_T3HK = ops.linear(x_TD, p.attention.qkv.weight, p.attention.qkv.bias).view(T, 3, H, K)
     drop = attention_dropout(cfg.attention_probs_dropout_prob, "attention_probs_dropout_prob", ops, seed, i,
@@ -139,16 +140,18 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_R
     o_THK = ops.deberta_attention(
         qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2], cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK,
         pos_att_type=cfg.attention_pos_types, position_buckets=cfg.position_buckets,
-        max_relative_positions=cfg.max_relative, scale=cfg.scale, **drop,
+        max_relative_positions=cfg.max_relative, scale=cfg.scale, seq_order=seq_order, **drop,
     )
     ao, out, p_drop = p.attention_output, p.output, cfg.hidden_dropout_prob
     y_TD = dropout(ops.linear(o_THK.reshape(T, H * K), ao.dense.weight, ao.dense.bias), p_drop, seed, i, 1)
-    a_TD, _ = ops.add_layer_norm(y_TD, x_TD, ao.layer_norm.weight, ao.layer_norm.bias, cfg.layer_norm_eps)
+    a_TD, _ = ops.add_layer_norm(y_TD, x_TD, ao.layer_norm.weight, ao.layer_norm.bias, cfg.layer_norm_eps,
+                                 keep_sum=False)  # post-LN: the sum is not needed
     # the intermediate GEMM's output is this layer's own temporary: inference may overwrite it
     h_TF = ops.activation(ops.linear(a_TD, p.intermediate.weight, p.intermediate.bias), cfg.hidden_act,
                           overwrite_input=True)
     y_TD = dropout(ops.linear(h_TF, out.dense.weight, out.dense.bias), p_drop, seed, i, 2)
-    return ops.add_layer_norm(y_TD, a_TD, out.layer_norm.weight, out.layer_norm.bias, cfg.layer_norm_eps)[0]
+    return ops.add_layer_norm(y_TD, a_TD, out.layer_norm.weight, out.layer_norm.bias, cfg.layer_norm_eps,
+                              keep_sum=False)[0]
 
 
 def conv_layer(p: ConvLayer, emb_TD: Tensor, layer0_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -156,7 +159,8 @@ def conv_layer(p: ConvLayer, emb_TD: Tensor, layer0_TD: Tensor, cu_seqlens: Tens
     """HF ConvLayer: LayerNorm(layer0 + act(dropout(conv(embeddings)))), the conv zero-padded per sequence."""
     c_TD = ops.varlen_conv1d(emb_TD, p.conv.weight, p.conv.bias, cu_seqlens, max_seqlen, cfg.conv_groups)
     c_TD = ops.activation(dropout(c_TD, cfg.hidden_dropout_prob, seed, -2, 0), cfg.conv_act)
-    return ops.add_layer_norm(layer0_TD, c_TD, p.layer_norm.weight, p.layer_norm.bias, cfg.layer_norm_eps)[0]
+    return ops.add_layer_norm(layer0_TD, c_TD, p.layer_norm.weight, p.layer_norm.bias, cfg.layer_norm_eps,
+                              keep_sum=False)[0]
 
 
 def _check_token_types(tt: Tensor | None, ids: Tensor, cfg: DebertaConfig, values: bool) -> Tensor | None:
@@ -218,7 +222,8 @@ def encode(
     """
     cfg = params.config
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
-        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate,
+        need_positions=params.embeddings.position_embeddings is not None,
     )
     if cfg.position_biased_input and max_seqlen > cfg.max_position_embeddings:
         raise InputError(
@@ -235,9 +240,12 @@ def encode(
     # Position tables depend on the weights only: computed once per forward, before the layers
     # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer).
     tables = position_tables(params, rel_RD, ops, seed)
+    # Longest sequences first: the attention kernel's programs then end in a full last wave
+    # (computed once per forward; the CPU reference has no waves).
+    seq_order = longest_first(cu_seqlens) if ids.is_cuda else None
     x_TD = emb_TD
     for i, (p, (pk, pq)) in enumerate(zip(params.encoder.layer, tables)):
-        args = (p, x_TD, cu_seqlens, max_seqlen, pk, pq, cfg, ops, i, seed)
+        args = (p, x_TD, cu_seqlens, max_seqlen, pk, pq, cfg, ops, i, seed, seq_order)
         if checkpoint and torch.is_grad_enabled():
             x_TD = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
         else:
