@@ -1,6 +1,8 @@
-"""Where the time goes (H200 triage): host enqueue vs device time of one DeBERTa eager batch, the
-disentangled-attention kernel alone on doc1k / long shapes, and the top CUDA kernels of one
-training step of each model. `python -m benchmarks.profile_gpu [--parts a b c]`."""
+"""Where the time goes (H200 triage): host enqueue vs device time of one DeBERTa eager batch (host),
+the forward kernel over 16 doc1k batches in grid order vs longest first and 16 eager encodes'
+host vs wall time (batches), the disentangled-attention kernel alone on doc1k / long shapes
+(kernel), and the top CUDA kernels of one training step of each model (train).
+`python -m benchmarks.profile_gpu [--parts host batches kernel train]`."""
 
 from __future__ import annotations
 
@@ -36,6 +38,51 @@ def deberta_host(dev):
                 torch.cuda.synchronize()
             _top(prof, "self_cpu_time_total", 14)
             _top(prof, "self_cuda_time_total", 10)
+
+
+def deberta_batches(dev, n=16):
+    """doc1k batches 0..n-1: the forward kernel alone in grid order vs longest first (sum of device
+    ms), then whole eager encodes of the n batches: host enqueue vs wall (is the batch host-bound?)."""
+    import time
+
+    from benchmarks.encode import MODELS
+    from packedenc.kernels.triton import deberta_attention as da
+    from packedenc.packing import longest_first
+
+    params = pe.tree_to(MODELS["deberta-v3-base"].make_params(torch.float16), dev)
+    cfg = params.config
+    H, K, R = cfg.num_attention_heads, cfg.head_dim, 2 * cfg.att_span
+    w = common.make_workload(common.DEBERTA_WORKLOADS["doc1k"], cfg.vocab_size)
+    g = torch.Generator(device=dev).manual_seed(0)
+    pk, pq = (torch.randn(R, H, K, device=dev, dtype=torch.float16, generator=g) for _ in range(2))
+    total = {"grid order": 0.0, "longest first": 0.0}
+    ins = [(b.ids.to(dev), b.cu_seqlens.to(dev), b.max_seqlen) for b in (w.batch(i) for i in range(n))]
+    for _, cu, L in ins:
+        qkv = torch.randn(int(cu[-1]), 3, H, K, device=dev, dtype=torch.float16, generator=g)
+        for label, order in (("grid order", None), ("longest first", longest_first(cu))):
+            f = lambda: da.deberta_attention_fwd(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, L, pk, pq,  # noqa: E731
+                                                 cfg.position_buckets, cfg.max_relative, cfg.scale,
+                                                 store_lse=False, seq_order=order)
+            f()
+            total[label] += common.median_ms(lambda: [f() for _ in range(10)]) / 10  # launches overlap
+    print(f"deberta fwd kernel, doc1k batches 0-{n - 1}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in total.items()))
+    with torch.inference_mode():
+        for a in ins:
+            pe.encode(params, *a)
+        for rep in range(3):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            for a in ins:
+                pe.encode(params, *a)
+            t1 = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+            tokens = sum(int(a[1][-1]) for a in ins)
+            print(f"deberta eager, {n} doc1k batches: host enqueue {1e3 * (t1 - t0):.1f} ms, wall {ms:.1f} ms, "
+                  f"{tokens / ms:.0f}k tokens/s", flush=True)
 
 
 def deberta_kernel(dev):
@@ -170,7 +217,7 @@ def train_profile(dev, models=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="*", default=["host", "kernel", "train"])
+    ap.add_argument("--parts", nargs="*", default=["host", "batches", "kernel", "train"])
     ap.add_argument("--models", nargs="*", help="train part: only these models (default: all)")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -179,7 +226,7 @@ def main():
             if p == "train":
                 train_profile(dev, a.models)
             else:
-                {"host": deberta_host, "kernel": deberta_kernel}[p](dev)
+                {"host": deberta_host, "batches": deberta_batches, "kernel": deberta_kernel}[p](dev)
         except Exception:  # noqa: BLE001
             import traceback
 
