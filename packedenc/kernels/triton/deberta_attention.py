@@ -97,17 +97,28 @@ def _key_ranges(i0, L, D_LO, D_HI, NS: tl.constexpr, ROWS: tl.constexpr, STEP: t
 
 
 @triton.jit
-def _sequence(ORDER, HAS_ORDER: tl.constexpr):
-    """The sequence of this program (grid z): ORDER[z] when the launch passes an order, else z.
+def _sequence_span(CU, ORDER, HAS_ORDER: tl.constexpr):
+    """(start token, length) of this program's sequence (grid z; ORDER[z] when the launch passes an order).
 
     Programs start roughly in grid order, and a batch of ~16 ragged sequences is only ~3 waves of
     programs whose cost grows with their sequence's length: with the longest sequences first the
     short ones fill the last wave instead of one long sequence running alone (LPT scheduling).
     """
-    z = tl.program_id(2)
+    seq = tl.program_id(2)
     if HAS_ORDER:
-        z = tl.load(ORDER + z)
-    return z
+        seq = tl.load(ORDER + seq)
+    start = tl.load(CU + seq).to(tl.int64)
+    return start, (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+
+
+@triton.jit
+def _query_rows(Q, start, i0, L, hh, s_q_t, s_q_h, offs, offs_k, kmask):
+    """Query rows i0 .. i0 + B - 1 of a sequence at `start`: (token rows, row mask, q)."""
+    mmask = (i0 + offs) < L
+    rows = start + i0 + offs.to(tl.int64)
+    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
+                other=0.0)
+    return rows, mmask, q
 
 
 @triton.jit
@@ -177,9 +188,8 @@ def _fwd_kernel(
     C2P_REUSE: tl.constexpr = False,  # c2p band: BLOCK fresh slot rows per tile, the rest carried
     HAS_ORDER: tl.constexpr = False,
 ):
-    pid_m, h, seq = tl.program_id(0), tl.program_id(1), _sequence(ORDER, HAS_ORDER)
-    start = tl.load(CU + seq).to(tl.int64)
-    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    pid_m, h = tl.program_id(0), tl.program_id(1)
+    start, L = _sequence_span(CU, ORDER, HAS_ORDER)
     i0 = pid_m * BLOCK
     if i0 >= L:  # this sequence is shorter than the grid's max_seqlen
         return
@@ -187,10 +197,7 @@ def _fwd_kernel(
     offs = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
-    mmask = (i0 + offs) < L
-    rows = start + i0 + offs.to(tl.int64)
-    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :],
-                mask=mmask[:, None] & kmask[None, :], other=0.0)
+    rows, mmask, q = _query_rows(Q, start, i0, L, hh, s_q_t, s_q_h, offs, offs_k, kmask)
     idx = offs[:, None] - offs[None, :] + (BLOCK - 1)  # band column of pair (m, n)
     PKh = PK + hh * s_pk_h
     PQh = PQ + hh * s_pq_h
@@ -400,8 +407,8 @@ WIDE_WARPS, WIDE_STAGES, WIDE_MAXNREG, WIDE_P2C = 4, 1, 168, True
 WIDE_NS, WIDE_POS_LOWP = 64, True
 
 
-def _launch_wide(q, k, v, cu_seqlens, order, has_order, max_seqlen, pk, pq, table, bounds, scale, c2p, p2c, store_lse, o,
-                 lse_arg):
+def _launch_wide(q, k, v, cu_seqlens, order, has_order, max_seqlen, pk, pq, table, bounds, scale, c2p, p2c,
+                 store_lse, o, lse_arg):
     """`launch_fwd` on (WIDE_M, WIDE_N) band tiles (lse_arg: the (T, H) lse, or any pointer without store_lse)."""
     T, H, Kd = q.shape
     for cu, n_seq in seq_chunks(cu_seqlens):

@@ -44,7 +44,8 @@ from packedenc.kernels import reference
 from packedenc.kernels.triton import deberta_attention as _fwd
 from packedenc.kernels.triton._common import cdiv, next_pow2
 from packedenc.kernels.triton.deberta_attention import (
-    LOG2E, _key_block, _prec, block_size, check_inputs, register_cap, seq_chunks, slot_table,
+    LOG2E, _key_block, _prec, _query_rows, _sequence_span, block_size, check_inputs, register_cap, seq_chunks,
+    slot_table,
 )
 from packedenc.kernels.triton.deberta_scores import _pos_scores
 from packedenc.kernels.triton.deberta_slots import _slot
@@ -137,10 +138,8 @@ def reference_bwd(do, q, k, v, cu_seqlens, max_seqlen, pk, pq, position_buckets,
 @triton.jit
 def _query_block(Q, DO, LSE, DELTA, start, i0, L, hh, s_q_t, s_q_h, s_do_t, s_do_h, s_lse_t, offs, offs_k, kmask):
     """Rows i0 .. i0 + B - 1 of a sequence at `start`: (token rows, row mask, (B, K) mask, q, dO, LSE, delta)."""
-    mmask = (i0 + offs) < L
-    rows = start + i0 + offs.to(tl.int64)
+    rows, mmask, q = _query_rows(Q, start, i0, L, hh, s_q_t, s_q_h, offs, offs_k, kmask)
     qmask = mmask[:, None] & kmask[None, :]
-    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
     do = tl.load(DO + rows[:, None] * s_do_t + hh * s_do_h + offs_k[None, :], mask=qmask, other=0.0)
     lse = tl.load(LSE + rows * s_lse_t + hh, mask=mmask, other=0.0)
     delta = tl.load(DELTA + rows * s_lse_t + hh, mask=mmask, other=0.0)
@@ -174,9 +173,8 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
     C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
-    pid_m, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(CU + seq).to(tl.int64)
-    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    pid_m, h = tl.program_id(0), tl.program_id(1)
+    start, L = _sequence_span(CU, CU, False)
     i0 = pid_m * BLOCK
     if i0 >= L:
         return
@@ -244,9 +242,8 @@ def _bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
     C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
-    pid_n, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(CU + seq).to(tl.int64)
-    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    pid_n, h = tl.program_id(0), tl.program_id(1)
+    start, L = _sequence_span(CU, CU, False)
     j0 = pid_n * BLOCK
     if j0 >= L:
         return

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from packedenc.kernels.triton.deberta_slots import _slot
-from packedenc.kernels.triton.deberta_attention import _key_block
+from packedenc.kernels.triton.deberta_attention import _key_block, _sequence_span
 from packedenc.kernels.triton.deberta_attention_bwd import _probs_and_grad, _query_block
 
 __all__ = ["_bwd_onepass_kernel"]
@@ -39,9 +39,8 @@ def _bwd_onepass_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
     C2P: tl.constexpr, P2C: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
 ):
-    pid_n, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(CU + seq).to(tl.int64)
-    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    pid_n, h = tl.program_id(0), tl.program_id(1)
+    start, L = _sequence_span(CU, CU, False)
     j0 = pid_n * BLOCK
     if j0 >= L:
         return

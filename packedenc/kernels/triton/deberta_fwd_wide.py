@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from packedenc.kernels.triton.deberta_attention import (
-    _fold, _key_block, _key_ranges, _saturated_range, _sequence, _softmax_step, _store_rows,
+    _fold, _key_block, _key_ranges, _query_rows, _saturated_range, _sequence_span, _softmax_step, _store_rows,
 )
 from packedenc.kernels.triton.deberta_scores import _c2p_half
 from packedenc.kernels.triton.deberta_slots import _slot
@@ -81,9 +81,8 @@ def _fwd_wide_kernel(
 ):
     """`deberta_attention._fwd_kernel` (same arguments, same ranges) on (BLOCK_M, BLOCK_N) band tiles."""
     tl.static_assert(BLOCK_M == 2 * BLOCK_N)
-    pid_m, h, seq = tl.program_id(0), tl.program_id(1), _sequence(ORDER, HAS_ORDER)
-    start = tl.load(CU + seq).to(tl.int64)
-    L = (tl.load(CU + seq + 1) - tl.load(CU + seq)).to(tl.int32)
+    pid_m, h = tl.program_id(0), tl.program_id(1)
+    start, L = _sequence_span(CU, ORDER, HAS_ORDER)
     i0 = pid_m * BLOCK_M
     if i0 >= L:
         return
@@ -92,10 +91,7 @@ def _fwd_wide_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
-    mmask = (i0 + offs_m) < L
-    rows = start + i0 + offs_m.to(tl.int64)
-    q = tl.load(Q + rows[:, None] * s_q_t + hh * s_q_h + offs_k[None, :],
-                mask=mmask[:, None] & kmask[None, :], other=0.0)
+    rows, mmask, q = _query_rows(Q, start, i0, L, hh, s_q_t, s_q_h, offs_m, offs_k, kmask)
     idx = offs_m[:, None] - offs_n[None, :] + (BLOCK_N - 1)  # band column u of pair (m, n)
     lo_n = idx % BLOCK_N  # u in its c2p chunk
     hi_n = idx // BLOCK_N  # the chunk
