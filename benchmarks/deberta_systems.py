@@ -5,7 +5,7 @@ HF state dict (`convert.hf.to_state_dict`) is loaded, key for key, into the tran
 and DisentangledFlash models.
 
 - `packedenc` / `packedenc+graphs`: `packedenc.encode(backend="auto")`, eager and replayed from
-  CUDA graphs (`packedenc.cuda_graphs.graphed`; on a CPU the same bucketed buffers run eagerly).
+  CUDA graphs (`packedenc.cudagraphs.graphed`; on a CPU the same bucketed buffers run eagerly).
 - `hf-eager`: transformers `DebertaV2Model`, attn_implementation="eager" (DeBERTa has no other),
   right-padded to each batch's longest sequence.
 - `flashdeberta`: FlashDeBERTa 0.0.8 `FlashDebertaV2Model` on the same padded batches (its own

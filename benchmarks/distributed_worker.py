@@ -6,7 +6,7 @@
         pool, copy the embeddings to the host. Strong scaling: the same corpus on 1 and N GPUs.
     train: a ModernBERT-base MLM step (30% masked, head on masked rows only) on one pack of about
         64k tokens per GPU: forward + backward + AdamW, fp32 master weights, bf16 compute, DDP
-        (`packedenc.distributed.wrap`) when N > 1, the plain module on 1 GPU. Weak scaling.
+        (`packedenc.train.distributed.wrap`) when N > 1, the plain module on 1 GPU. Weak scaling.
 
 Time of a repetition = the slowest rank's time from a common start (barrier) to its last
 synchronised result; tokens are real tokens summed over ranks. Rank 0 writes a JSON result.
@@ -27,7 +27,7 @@ import torch
 
 import packedenc as pe
 from benchmarks import common
-from packedenc import distributed as pdist
+from packedenc.train import distributed as pdist
 
 TRAIN_MASK_ID = 50284  # ModernBERT's [MASK] (tiny: the last id)
 
@@ -130,7 +130,7 @@ def run_embed(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 def _train_packs(cfg: Any, budget: int, n: int, tiny: bool, device: torch.device) -> list[tuple[Any, ...]]:
     """n packs of about `budget` tokens, masked on the host, staged on the device."""
-    from packedenc.losses import mask_tokens
+    from packedenc.train.losses import mask_tokens
 
     spec = _spec(tiny)
     seqs: list[torch.Tensor] = []
@@ -153,7 +153,7 @@ def _train_packs(cfg: Any, budget: int, n: int, tiny: bool, device: torch.device
 
 
 def run_train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from packedenc.losses import mlm_loss
+    from packedenc.train.losses import mlm_loss
 
     cfg = _config(args.tiny)
     compute = None if device.type == "cpu" else torch.bfloat16

@@ -72,7 +72,7 @@ class GraphedSystem(PackedencSystem):
         return None
 
     def _build(self, max_tokens: int, max_seqs: int) -> None:
-        from packedenc.cuda_graphs import graphed
+        from packedenc.cudagraphs import graphed
 
         if self.graphed is not None:
             self.graphed.clear()

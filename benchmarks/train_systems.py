@@ -50,7 +50,7 @@ class TrainBatch:
 
 def mlm_batch(batch: Batch, mask_id: int, vocab_size: int, prob: float, seed: int) -> TrainBatch:
     """BERT-style masking (80/10/10) of a host batch, seeded per batch so every system sees the same."""
-    from packedenc.losses import mask_tokens
+    from packedenc.train.losses import mask_tokens
 
     g = torch.Generator().manual_seed(seed)
     ids, pos, tgt = mask_tokens(batch.ids, mask_token_id=mask_id, vocab_size=vocab_size, prob=prob, generator=g)
@@ -136,7 +136,7 @@ class PackedencTrain(TrainSystem):
         return b.ids.to(d), b.cu_seqlens.to(d), b.max_seqlen, b.positions.to(d), b.targets.to(d)
 
     def token_losses(self, inputs: tuple[Any, ...]) -> Tensor:
-        from packedenc.losses import mlm_token_losses
+        from packedenc.train.losses import mlm_token_losses
 
         ids, cu, max_seqlen, pos, tgt = inputs
         # one differentiable cast shared by the encoder and the head (encode's compute_dtype would

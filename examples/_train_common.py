@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 import packedenc as pe
-from packedenc import distributed as pdist
+from packedenc.train import distributed as pdist
 from packedenc.models import modernbert
 
 TINY = modernbert.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -9,7 +9,7 @@ import torch
 import packedenc as pe
 from examples._train_common import (compute_dtype, load_model, optimizer, parse_args, random_sequences, report,
                                     save_and_check, trainable)
-from packedenc.losses import classification_loss
+from packedenc.train.losses import classification_loss
 from packedenc.models import modernbert
 
 

@@ -17,8 +17,8 @@ import torch
 import packedenc as pe
 from examples._train_common import (compute_dtype, distributed_device, load_model, mean_over_ranks, optimizer,
                                     parse_args, random_sequences, report, save_and_check, trainable)
-from packedenc import distributed as pdist
-from packedenc.losses import info_nce
+from packedenc.train import distributed as pdist
+from packedenc.train.losses import info_nce
 
 
 def make_batch(n: int, vocab: int, g: torch.Generator, device: str):

@@ -8,7 +8,7 @@ import torch
 
 import packedenc as pe
 from examples._train_common import compute_dtype, load_model, optimizer, parse_args, report, save_and_check, trainable
-from packedenc.losses import mask_tokens, mlm_loss
+from packedenc.train.losses import mask_tokens, mlm_loss
 
 
 def make_batch(n: int, vocab: int, g: torch.Generator, device: str):

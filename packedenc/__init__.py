@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from packedenc.convert.hf import load, save
-from packedenc.embed import TokenEmbeddings, embed
+from packedenc.text.embed import TokenEmbeddings, embed
 from packedenc.errors import CheckpointError, ConfigError, InputError, PackedEncError
 from packedenc.kernels import Ops, get_ops
-from packedenc.models import family_of
+from packedenc.models import encode, family_of, init
 from packedenc.packing import (
     Packed,
     pack,
@@ -28,8 +28,8 @@ from packedenc.packing import (
     unpack,
 )
 from packedenc.pytree import num_params, tree_cast, tree_to
-from packedenc.sentence_transformers import SentenceModel, load_sentence_transformer
-from packedenc.tokenize import pack_texts, tokenizer
+from packedenc.text.sentence_transformers import SentenceModel, load_sentence_transformer
+from packedenc.text.tokenizer import pack_texts, tokenizer
 
 __version__ = "0.1.0"
 
@@ -65,23 +65,3 @@ __all__ = [
     "SentenceModel",
 ]
 
-
-def encode(params: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run the encoder of whatever family `params` belongs to. Pure: no state, no mutation.
-
-    For token models (ModernBERT, DeBERTa, BERT):
-        encode(params, ids, cu_seqlens, max_seqlen=None, positions=None, *, backend="auto", validate=False)
-        ids: (T,) int, cu_seqlens: (S+1,) int32, max_seqlen: host int -> hidden states (T, D).
-    For the graph transformer (GiGL's GraphTransformerEncoder):
-        encode(params, x, cu_seqlens, max_seqlen=None, *, hops=None, node_types=None, key_features=None,
-               return_tokens=False, ...) -> one embedding per sequence (S, out_dim), anchor first.
-    See the family module's `encode` (packedenc.models.<family>.encode) for the extras it takes.
-    """
-    return family_of(params).encode(params, *args, **kwargs)
-
-
-def init(config: Any, generator: Any = None, **kwargs: Any) -> Any:
-    """Random params for a config object of any family (for tests, benchmarks, training from scratch)."""
-    from packedenc.models import family_for_model_type
-
-    return family_for_model_type(config.to_hf()["model_type"]).init(config, generator, **kwargs)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 # writing files and printing results, re-exported: cli_shards and tests reach them as cli.<name>
-from packedenc.cli_output import OutputError, _print_ranking, _print_similarities, _save, _write_atomic  # noqa: F401
+from packedenc.commands.output import OutputError, _print_ranking, _print_similarities, _save, _write_atomic  # noqa: F401
 
 DTYPES = ("fp32", "bf16", "fp16")
 BUNDLED_ALIASES = ("all-MiniLM-L6-v2", "minilm", "sentence-transformers/all-MiniLM-L6-v2")
@@ -123,7 +123,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
     texts = _read_texts(args)
     if args.out_dir is not None:  # sharded, resumable, one process per GPU under torchrun
-        from packedenc import cli_shards
+        from packedenc.commands import shards as cli_shards
 
         return cli_shards.embed_sharded(args, texts, sys.modules[__name__])
     _check_output(args.output)
@@ -156,7 +156,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from packedenc import cli_shards
+    from packedenc.commands import shards as cli_shards
 
     return cli_shards.cmd_merge(args, sys.modules[__name__])
 
@@ -267,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from packedenc import cli_shards
+    from packedenc.commands import shards as cli_shards
     from packedenc.convert.__main__ import add_arguments as convert_arguments
 
     p = argparse.ArgumentParser(

@@ -33,7 +33,6 @@ __all__ = [
     "pool_mean",
     "pool_max",
     "token_budget_batches",
-    "khop_sequences",
 ]
 
 
@@ -358,5 +357,3 @@ def token_budget_batches(
         batches.append(cur)
     return batches
 
-
-from packedenc.khop import khop_sequences  # noqa: E402

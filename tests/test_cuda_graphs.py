@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import packedenc as pe
-from packedenc.cuda_graphs import (
+from packedenc.cudagraphs import (
     Bucket,
     default_seq_buckets,
     default_token_buckets,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packedenc.distributed import rank_range
+from packedenc.train.distributed import rank_range
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "dp_step.py"

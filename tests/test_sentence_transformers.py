@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import packedenc as pe
-from packedenc.sentence_transformers import Dense, Normalize, Pooling, SkipTokens
-from packedenc.tokenize import TruncationWarning
+from packedenc.text.sentence_transformers import Dense, Normalize, Pooling, SkipTokens
+from packedenc.text.tokenizer import TruncationWarning
 from tests.texts import sentences
 
 st = pytest.importorskip("sentence_transformers")

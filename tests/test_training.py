@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import packedenc as pe
-from packedenc import losses
+from packedenc.train import losses
 from packedenc.convert.hf import to_state_dict
 from packedenc.models import modernbert
 from tests.models.test_modernbert_vs_hf import batch, save_tiny, tiny_config

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import packedenc as pe
-from packedenc import losses
+from packedenc.train import losses
 from packedenc.kernels import get_ops, reference
 from tests.kernels._assert import assert_close_to_ref
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from packedenc.kernels import reference, register_impl
-from packedenc.kernels import reference_bwd
+from packedenc.kernels.reference import backward as reference_bwd
 
 __all__ = ["varlen_attention", "IMPLS", "BEST"]
 

@@ -68,3 +68,22 @@ def family_of(params: Any) -> ModuleType:
     raise ConfigError(
         f"{type(params).__name__} is not a packedenc params tree; get one from packedenc.load(...)"
     )
+
+
+def encode(params: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run the encoder of whatever family `params` belongs to. Pure: no state, no mutation.
+
+    For token models (ModernBERT, DeBERTa, BERT):
+        encode(params, ids, cu_seqlens, max_seqlen=None, positions=None, *, backend="auto", validate=False)
+        ids: (T,) int, cu_seqlens: (S+1,) int32, max_seqlen: host int -> hidden states (T, D).
+    For the graph transformer (GiGL's GraphTransformerEncoder):
+        encode(params, x, cu_seqlens, max_seqlen=None, *, hops=None, node_types=None, key_features=None,
+               return_tokens=False, ...) -> one embedding per sequence (S, out_dim), anchor first.
+    See the family module's `encode` (packedenc.models.<family>.encode) for the extras it takes.
+    """
+    return family_of(params).encode(params, *args, **kwargs)
+
+
+def init(config: Any, generator: Any = None, **kwargs: Any) -> Any:
+    """Random params for a config object of any family (for tests, benchmarks, training from scratch)."""
+    return family_for_model_type(config.to_hf()["model_type"]).init(config, generator, **kwargs)

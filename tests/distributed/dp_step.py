@@ -9,8 +9,8 @@ import torch
 import torch.utils._pytree as pytree
 
 import packedenc as pe
-from packedenc import distributed as pdist
-from packedenc.losses import classification_loss
+from packedenc.train import distributed as pdist
+from packedenc.train.losses import classification_loss
 from packedenc.models import modernbert
 
 CFG = modernbert.ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

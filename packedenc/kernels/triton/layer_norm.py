@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
-from packedenc.kernels import reference_bwd
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, row_tile, rows
 
 __all__ = ["layer_norm", "add_layer_norm", "embed_layer_norm", "ln_fwd", "ln_bwd"]

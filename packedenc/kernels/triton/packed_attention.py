@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels import reference, reference_bwd
+from packedenc.kernels import reference
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2
 
 __all__ = ["packed_attention", "packed_attention_fwd", "packed_attention_bwd", "TILE_FWD", "TILE_BWD"]

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
-from packedenc.kernels import reference_bwd
+from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2
 
 __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]

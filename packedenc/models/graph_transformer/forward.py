@@ -338,7 +338,7 @@ def encode(
         x: (T, F) token features, sequences back to back, each starting with its anchor. With
             several node types F is the largest feature dim and a token of type t uses its first
             F_t columns. With `projected=True`, x is (T, hid_dim) already projected (`project_nodes`).
-        cu_seqlens: (S+1,) int32 boundaries (from `packedenc.packing.khop_sequences` or `pack`).
+        cu_seqlens: (S+1,) int32 boundaries (from `packedenc.models.graph_transformer.khop_sequences` or `pack`).
         max_seqlen: host int, the longest sequence; computed (one host sync) when None.
         hops: (T,) int hop distance of each token from its anchor (anchor = 0); required iff the
             params have the hop-distance embedding.

@@ -13,7 +13,7 @@ The module's forward takes the loss function, so the whole step stays a function
     pdist.finish()                                     # once the model is gone (after main returns)
 
 Data: `rank_range(n)` gives this rank's contiguous share of n items; each rank packs its own
-token-budget batches. Embedding shards with a resumable manifest live in `packedenc.embed_sharded`.
+token-budget batches. Embedding shards with a resumable manifest live in `packedenc.text.sharded`.
 """
 
 from __future__ import annotations

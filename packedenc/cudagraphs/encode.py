@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from packedenc.buckets import (
+from packedenc.cudagraphs.buckets import (
     Bucket, checked_buckets, default_seq_buckets, default_token_buckets, fill_padded, pad_batch, plan_bucket,
 )
 from packedenc.errors import ConfigError, InputError

@@ -22,10 +22,10 @@ from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 from packedenc.packing import Packed, token_budget_batches
-from packedenc.sentence_transformers import (
+from packedenc.text.sentence_transformers import (
     POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
 )
-from packedenc.tokenize import check_texts, encode_texts, packed_from_ids, warn_truncated
+from packedenc.text.tokenizer import check_texts, encode_texts, packed_from_ids, warn_truncated
 
 __all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
 
@@ -124,7 +124,7 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
 
 
 def _encode(model: SentenceModel, batch: Packed, backend: str) -> Tensor:
-    from packedenc import encode
+    from packedenc.models import encode
 
     return encode(model.params, batch.ids, batch.cu_seqlens, batch.max_seqlen, batch.positions, backend=backend)
 

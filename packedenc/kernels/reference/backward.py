@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from packedenc.kernels import reference
+from packedenc.kernels.reference import ops as reference
 
 __all__ = ["layer_norm_bwd", "activation_bwd", "bias_activation_bwd", "glu_bwd", "rotary_bwd", "varlen_attention_bwd"]
 

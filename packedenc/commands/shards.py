@@ -38,8 +38,8 @@ def add_merge_parser(sub: Any, func: Callable[[argparse.Namespace], int]) -> Non
 
 def embed_sharded(args: argparse.Namespace, texts: list[str], cli: ModuleType) -> int:
     """The body of `packedenc embed --out-dir`; every rank runs it, rank 0 reports."""
-    from packedenc import distributed as pdist
-    from packedenc.embed_sharded import embed_to_dir
+    from packedenc.train import distributed as pdist
+    from packedenc.text.sharded import embed_to_dir
 
     if args.query or args.colbert_query:
         raise cli.UsageError("--query / --colbert-query do not combine with --out-dir")
@@ -81,7 +81,7 @@ def cmd_merge(args: argparse.Namespace, cli: ModuleType) -> int:
 
 
 def _merge(out_dir: str, output: str, cli: ModuleType) -> None:
-    from packedenc.embed_sharded import merge
+    from packedenc.text.sharded import merge
 
     try:
         arr = merge(out_dir, output)

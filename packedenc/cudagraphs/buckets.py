@@ -4,7 +4,7 @@ A batch of T tokens in S sequences is mapped to a bucket (T_b, S_b, L_b): S_b >=
 sequence buckets, T_b >= T + (S_b + 1 - S) from the token buckets, L_b a power of two >= every
 length. `fill_padded` writes the real sequences first, then the token tail [T, T_b) as
 S_b + 1 - S dummy sequences of at least one token each, *outside* the real cu_seqlens, with
-device ops only (no host sync). Used by `packedenc.cuda_graphs`; pure host arithmetic + copies.
+device ops only (no host sync). Used by `packedenc.cudagraphs`; pure host arithmetic + copies.
 
 Shapes: T real tokens, S real sequences, T_b / S_b / L_b the bucket's tokens, sequences and
 longest sequence.

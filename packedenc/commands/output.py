@@ -32,7 +32,7 @@ def _write_atomic(path: str, write: Any) -> None:
 def _save(path: str, texts: list[str], out: Any) -> None:
     import numpy as np
 
-    from packedenc.embed import TokenEmbeddings
+    from packedenc.text.embed import TokenEmbeddings
 
     suffix = Path(path).suffix
     if isinstance(out, TokenEmbeddings):

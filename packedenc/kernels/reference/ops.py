@@ -16,7 +16,7 @@ from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 # DeBERTa's ops live in their own file; they are part of this module's namespace (the Ops table)
-from packedenc.kernels.reference_deberta import (
+from packedenc.kernels.reference.deberta import (
     deberta_attention, log_bucket_position, relative_positions, varlen_conv1d,
 )
 

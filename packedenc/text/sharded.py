@@ -37,9 +37,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from packedenc import distributed as pdist
+from packedenc.train import distributed as pdist
 from packedenc.errors import ConfigError, InputError
-from packedenc.tokenize import TruncationWarning, check_texts
+from packedenc.text.tokenizer import TruncationWarning, check_texts
 
 __all__ = ["embed_to_dir", "merge", "ShardRun", "fingerprint"]
 
@@ -90,7 +90,7 @@ def embed_to_dir(model: Any, texts: Sequence[str], out_dir: str | os.PathLike, *
     Return:
         a `ShardRun`.
     """
-    from packedenc.embed import _as_model, _override, embed
+    from packedenc.text.embed import _as_model, _override, embed
 
     texts = check_texts(texts)
     if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size <= 0:

@@ -102,7 +102,7 @@ class SentenceModel:
 
     Fields:
         params: the backbone params tree (`packedenc.encode(params, ...)`).
-        tokenizer: `packedenc.tokenize.Tokenizer` with the folder's length limit.
+        tokenizer: `packedenc.text.tokenizer.Tokenizer` with the folder's length limit.
         modules: what runs after the backbone: `Pooling`, `Dense`, `Normalize`, `SkipTokens`.
         folder: where it was loaded from. prompts: (name, text) pairs; default_prompt_name.
         colbert: PyLate settings for multi-vector (ColBERT) models, else None.
@@ -310,7 +310,7 @@ def load_sentence_transformer(path_or_repo_id: str | os.PathLike, *, device: tor
     """
     from packedenc.convert.hf import load
     from packedenc.hub import resolve
-    from packedenc.tokenize import tokenizer
+    from packedenc.text.tokenizer import tokenizer
 
     root = resolve(path_or_repo_id, revision)
     spec = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else None

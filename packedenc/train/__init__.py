@@ -1,0 +1,1 @@
+"""Training: losses over packed batches (`losses.py`) and data parallelism (`distributed.py`)."""
