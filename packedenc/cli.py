@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, help="tokens per batch (default 16384 on CUDA, 2048 on CPU)")
     b.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     b.add_argument("--seconds", type=float, default=2.0, help="time to spend measuring (default 2)")
-    b.add_argument("--backend", default="auto", help="auto, reference, triton, flash, cute")
+    b.add_argument("--backend", default="auto", help="auto, reference, triton, flash")
     b.set_defaults(func=cmd_bench)
     cli_shards.add_merge_parser(sub, cmd_merge)
     return p

@@ -2,15 +2,15 @@
 
 Models never import an implementation. They receive an `Ops` table (`get_ops(backend, device)`)
 and call `ops.layer_norm(...)`, `ops.varlen_attention(...)`. `backend="reference"` binds every
-op to `kernels/reference.py` (plain torch, runs on CPU). The other backends ("triton", "flash",
-"cute") register implementations for the ops they cover with `register_impl`; an op a backend
+op to `kernels/reference/` (plain torch, runs on CPU). The other backends ("triton",
+"flash") register implementations for the ops they cover with `register_impl`; an op a backend
 does not cover falls back to the best available choice for the device.
 
 `backend="auto"` picks per op from what is installed and the device (CUDA: the fused Triton ops
 and torch's flash varlen attention; CPU: the reference), and logs the table once.
 
 Adding a kernel (checklist):
-1. The plain-torch version goes in `reference.py` under the op's name; add the field to `Ops`.
+1. The plain-torch version goes in `reference/ops.py` under the op's name; add the field to `Ops`.
 2. The kernel file goes in `kernels/<backend>/<op>.py` (kernel, registered op, allocating wrapper
    with the reference's signature, backward where training needs it).
 3. Call `register_impl("<backend>", "<op>", fn)` when that module is imported, and list the
@@ -36,14 +36,13 @@ __all__ = ["Ops", "get_ops", "register_impl", "BACKENDS", "available_backends"]
 
 log = logging.getLogger("packedenc")
 
-BACKENDS = ("auto", "reference", "triton", "flash", "cute")
+BACKENDS = ("auto", "reference", "triton", "flash")
 
 # Modules that register implementations when imported; a missing dependency just means the
 # backend is not available (its import fails and is recorded, never raised at import time).
 _BACKEND_MODULES = {
     "triton": ("packedenc.kernels.triton",),
     "flash": ("packedenc.kernels.flash", "packedenc.kernels.graph_attention"),
-    "cute": ("packedenc.kernels.cute",),
 }
 
 # Per-op preference when backend="auto" on a CUDA device (first available wins).
@@ -86,7 +85,7 @@ _IMPORT_ERRORS: dict[str, str] = {}
 def register_impl(backend: str, op: str, fn: Callable) -> None:
     """Make `fn` the `backend` implementation of `op` (called by kernel modules at import)."""
     if op not in OP_NAMES:
-        raise ValueError(f"unknown op {op!r}; add it to Ops and reference.py first")
+        raise ValueError(f"unknown op {op!r}; add it to Ops and kernels/reference/ops.py first")
     _IMPLS.setdefault(backend, {})[op] = fn
 
 
@@ -108,7 +107,7 @@ def available_backends(device: torch.device | str = "cuda") -> list[str]:
     dev = torch.device(device)
     names = ["reference"]
     if dev.type == "cuda" and torch.cuda.is_available():
-        names += [b for b in ("triton", "flash", "cute") if _load_backend(b)]
+        names += [b for b in ("triton", "flash") if _load_backend(b)]
     return names
 
 

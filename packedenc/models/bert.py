@@ -309,7 +309,7 @@ def encode(
         positions: (T,) 0-based position inside each sequence; derived from cu_seqlens when None.
             RoBERTa's offset (pad_token_id + 1) is added here, never by the caller.
         token_type_ids: (T,) segment ids (0 / 1 for sentence pairs); None means all 0.
-        backend: "auto", "reference", "triton", "flash", "cute", or an `Ops` table.
+        backend: "auto", "reference", "triton", "flash", or an `Ops` table.
         validate: check values of ids / cu_seqlens / token types even on a GPU (syncs).
         compute_dtype: run in this dtype (e.g. bf16) while params stay in theirs (fp32 master weights).
         dropout_seed: None = no dropout (inference). An int turns on the config's hidden / attention

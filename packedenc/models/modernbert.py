@@ -306,7 +306,7 @@ def encode(
         cu_seqlens: (S+1,) int32 boundaries, starting at 0 and ending at T.
         max_seqlen: host int, the longest sequence; computed (one host sync) when None.
         positions: (T,) position inside each sequence; derived from cu_seqlens when None.
-        backend: "auto", "reference", "triton", "flash", "cute", or an `Ops` table.
+        backend: "auto", "reference", "triton", "flash", or an `Ops` table.
         validate: check values of ids / cu_seqlens even when they live on a GPU (syncs).
         compute_dtype: run in this dtype (e.g. bf16) while params stay in theirs (e.g. fp32 master
             weights); gradients flow back to the original leaves.

@@ -1,6 +1,6 @@
 """Plain-torch backward of every fused op: the executable spec of the gradients.
 
-Each function is the vector-Jacobian product of the `kernels/reference.py` op of the same name,
+Each function is the vector-Jacobian product of the `kernels/reference/ops.py` op of the same name,
 written out with explicit formulas (fp32 math, one rounding) rather than autograd, because it is
 the CPU implementation of the `packedenc::*_bwd` custom ops and autograd does not run inside a
 custom op's kernel. `tests/kernels/` checks each one against autograd through the reference, and

@@ -13,7 +13,7 @@ recompute the statistics, write dx and one fp32 partial row each of dweight, dbi
 x_bias) d x_bias = column sums of the fp32 dx, into one (P, k, D) buffer: one torch sum and one
 cast then give all k. The partition depends only on T, so the backward is deterministic (no atomics).
 
-Each op is a `torch.library.custom_op` whose CPU implementation is `kernels/reference.py` and whose
+Each op is a `torch.library.custom_op` whose CPU implementation is `kernels/reference/` and whose
 CUDA implementation launches the kernel; the backward is itself an op (CPU: autograd of the
 reference), so `torch.compile(fullgraph=True)` traces forward and backward through fakes.
 """
