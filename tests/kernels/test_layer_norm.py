@@ -10,7 +10,8 @@ import torch
 from packedenc.errors import InputError
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
-from packedenc.kernels.triton import layer_norm as L
+from packedenc.kernels.triton import layer_norm as LN
+from packedenc.kernels.triton import layer_norm_kernels as L
 from tests.kernels._assert import (
     CPU_LENGTHS, DEVICE, GPU_LENGTHS, assert_close_to_ref, other_rows,
 )
@@ -62,7 +63,7 @@ def test_add_layer_norm_rounds_the_sum_first(dtype):
     # post-LN layers drop the sum: the kernel then does not write it, y is the same bits
     y2, none = L.ln_fwd(x, w, b, 1e-5, residual=r, keep_sum=False)
     assert none is None and torch.equal(y2, y)
-    for fn in (L.add_layer_norm, reference.add_layer_norm):
+    for fn in (LN.add_layer_norm, reference.add_layer_norm):
         y3, none = fn(x, r, w, b, 1e-5, keep_sum=False)
         assert none is None and torch.equal(y3, fn(x, r, w, b, 1e-5)[0])
 
@@ -114,11 +115,10 @@ def test_backward_kernel_matches_reference_backward(dtype, mode, D):
 
 
 @pytest.mark.parametrize("programs", [1, 3])  # one program over every tile; 3 uneven ranges of 7 tiles
-def test_backward_kernel_programs_own_several_tiles(programs, monkeypatch):
-    monkeypatch.setattr(L, "BWD_PROGRAMS", programs)
+def test_backward_kernel_programs_own_several_tiles(programs):
     x, w, b = _inputs(T_CPU, 600, torch.float32)  # one row per tile: T_CPU = 20 tiles
     dy, dsum = torch.randn(T_CPU, 600).to(DEVICE), torch.randn(T_CPU, 600).to(DEVICE)
-    got = _bwd(dy, x, w, 1e-5, dsum=dsum, need_dxb=True)
+    got = _bwd(dy, x, w, 1e-5, dsum=dsum, need_dxb=True, programs=programs)
     want = reference_bwd.layer_norm_bwd(dy, x, w, 1e-5, dsum, need_dxb=True)
     for name, a, r in zip(("dx", "dw", "db", "dxb"), got, want):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=name)
@@ -188,7 +188,7 @@ def test_reference_x_bias_gradient_is_autograd_of_the_reference():
 
 @pytest.mark.parametrize("fn", ["triton", "reference"])
 def test_add_layer_norm_rejects_a_bad_x_bias(fn):
-    add_ln = L.add_layer_norm if fn == "triton" else reference.add_layer_norm
+    add_ln = LN.add_layer_norm if fn == "triton" else reference.add_layer_norm
     x, w, b = _inputs(6, 8, torch.float32, device="cpu")
     r = torch.randn_like(x)
     cases = [
@@ -237,13 +237,13 @@ def test_op_gradients_equal_reference_autograd():
         return torch.autograd.grad(loss, leaves)
 
     pairs = [
-        (lambda x, w, b: L.layer_norm(x, w, b, 1e-5), lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), (x, w, b)),
-        (lambda x, r, w, b: L.add_layer_norm(x, r, w, b, 1e-5), lambda x, r, w, b: reference.add_layer_norm(x, r, w, b, 1e-5), (x, r, w, b)),
-        (lambda x, r, w, b, xb: L.add_layer_norm(x, r, w, b, 1e-5, xb),
+        (lambda x, w, b: LN.layer_norm(x, w, b, 1e-5), lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), (x, w, b)),
+        (lambda x, r, w, b: LN.add_layer_norm(x, r, w, b, 1e-5), lambda x, r, w, b: reference.add_layer_norm(x, r, w, b, 1e-5), (x, r, w, b)),
+        (lambda x, r, w, b, xb: LN.add_layer_norm(x, r, w, b, 1e-5, xb),
          lambda x, r, w, b, xb: reference.add_layer_norm(x, r, w, b, 1e-5, xb), (x, r, w, b, torch.randn(8))),
-        (lambda x, r, w, xb: L.add_layer_norm(x, r, w, None, 1e-5, xb),  # no norm bias: the sums are (dw, dxb)
+        (lambda x, r, w, xb: LN.add_layer_norm(x, r, w, None, 1e-5, xb),  # no norm bias: the sums are (dw, dxb)
          lambda x, r, w, xb: reference.add_layer_norm(x, r, w, None, 1e-5, xb), (x, r, w, torch.randn(8))),
-        (lambda t, w, b: L.embed_layer_norm(ids, t, w, b, 1e-5), lambda t, w, b: reference.embed_layer_norm(ids, t, w, b, 1e-5), (table, w, b)),
+        (lambda t, w, b: LN.embed_layer_norm(ids, t, w, b, 1e-5), lambda t, w, b: reference.embed_layer_norm(ids, t, w, b, 1e-5), (table, w, b)),
     ]
     for op, ref, leaves in pairs:
         for g, gr in zip(grads(op, *leaves), grads(ref, *leaves)):
@@ -266,7 +266,7 @@ def test_add_layer_norm_op_with_an_unused_output(used, x_bias):
         y, s = fn(*leaves[:4], 1e-5, leaves[4] if x_bias else None)
         return torch.autograd.grad(y if used == "normed" else s, leaves, cot, allow_unused=True)
 
-    got, want = grads(L.add_layer_norm), grads(reference.add_layer_norm)
+    got, want = grads(LN.add_layer_norm), grads(reference.add_layer_norm)
     for a, c in zip(got, want):
         assert (a is None) == (c is None)
         if a is not None:
@@ -282,9 +282,9 @@ def test_ops_compile_fullgraph():
     r = torch.randn_like(x)
 
     def f(x, r):
-        y, s = L.add_layer_norm(x, r, w, b, 1e-5)
-        y2, s2 = L.add_layer_norm(y, s, w, b, 1e-5, x_bias=b)
-        return L.layer_norm(y2 + s2, w, None, 1e-5)
+        y, s = LN.add_layer_norm(x, r, w, b, 1e-5)
+        y2, s2 = LN.add_layer_norm(y, s, w, b, 1e-5, x_bias=b)
+        return LN.layer_norm(y2 + s2, w, None, 1e-5)
 
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, r), f(x, r))
 
