@@ -1,0 +1,227 @@
+"""A training step as a pure function of (state, batch): loss and gradients, clipping, AdamW.
+
+    opt = AdamW(lr=2e-5, weight_decay=0.01)
+    state = TrainState.create(params, opt)                 # fp32 master params + AdamW moments
+    step = make_step(loss_fn, opt, clip_norm=1.0)          # loss_fn(params, batch) -> scalar
+    loss, state = step(state, batch)                       # pure: the old state is left alone
+    loss = step.update_(state, [batch_a, batch_b])         # in place (state donated), 2 micro-batches
+
+`packedenc.cudagraphs.graphed_step(step, state, ...)` replays the same phases as CUDA graphs.
+
+The step runs in two phases, the seam where gradient accumulation and CUDA graphs cut it:
+1. `grads`: loss and gradients of one micro-batch (`torch.autograd.grad` over the params leaves),
+   added into a flat fp32 accumulator;
+2. `apply_`: mean over the micro-batches, data-parallel all-reduce when a process group is up,
+   global-norm clipping, AdamW. Every scalar (learning rate, step count, bias corrections, clip
+   coefficient) is a device tensor: no host sync, and a graph captured once serves every step.
+
+AdamW is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps outside the
+square root), written with `torch._foreach_*` ops over the params leaves.
+
+Shapes: P the number of params leaves, N their total elements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from packedenc.errors import ConfigError
+from packedenc.pytree import pytree_dataclass
+
+__all__ = ["AdamW", "AdamWState", "TrainState", "Step", "make_step", "clip_by_global_norm"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@pytree_dataclass
+class AdamWState:
+    step: Tensor  # () fp32, steps taken
+    lr: Tensor  # () fp32, the learning rate of the next step (set it with `TrainState.set_lr`)
+    exp_avg: tuple[Tensor, ...]  # one per params leaf, fp32
+    exp_avg_sq: tuple[Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """torch.optim.AdamW's update as a pure description; the state lives in `AdamWState`."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        b1, b2 = self.betas
+        if not (self.lr >= 0 and self.eps > 0 and self.weight_decay >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ConfigError(f"AdamW needs lr >= 0, eps > 0, weight_decay >= 0, betas in [0, 1): got {self}")
+
+    def init(self, leaves: Sequence[Tensor]) -> AdamWState:
+        dev = leaves[0].device
+        return AdamWState(
+            step=torch.zeros((), device=dev), lr=torch.full((), float(self.lr), device=dev),
+            exp_avg=tuple(torch.zeros_like(t, dtype=torch.float32) for t in leaves),
+            exp_avg_sq=tuple(torch.zeros_like(t, dtype=torch.float32) for t in leaves),
+        )
+
+    def update_(self, leaves: list[Tensor], grads: list[Tensor], s: AdamWState) -> None:
+        """One AdamW step, in place on `leaves` and `s`. Device scalars only: capturable."""
+        b1, b2 = self.betas
+        s.step.add_(1)
+        c1 = s.lr / (1 - torch.pow(b1, s.step))  # step size, bias-corrected
+        c2 = torch.rsqrt(1 - torch.pow(b2, s.step))  # 1 / sqrt(second-moment correction)
+        m, v = list(s.exp_avg), list(s.exp_avg_sq)
+        if self.weight_decay:
+            torch._foreach_mul_(leaves, 1 - s.lr * self.weight_decay)
+        torch._foreach_lerp_(m, grads, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - b2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_mul_(denom, c2)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_div_(denom, c1)  # (sqrt(v_hat) + eps) / step size
+        torch._foreach_addcdiv_(leaves, m, denom, value=-1.0)
+
+
+@pytree_dataclass
+class TrainState:
+    """What a training step reads and writes: the params tree (fp32 master weights) and the
+    optimizer state. A pytree: `tree_map`, `torch.save` of its leaves and `tree_to` apply."""
+
+    params: Any
+    opt: AdamWState
+
+    @staticmethod
+    def create(params: Any, optimizer: AdamW) -> "TrainState":
+        leaves = _float_leaves(params)
+        return TrainState(params=params, opt=optimizer.init(leaves))
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of the next steps (a device fill: no sync, graphs keep working)."""
+        self.opt.lr.fill_(float(lr))
+
+    def clone(self) -> "TrainState":
+        return pytree.tree_map_only(Tensor, lambda t: t.clone(), self)
+
+
+def _float_leaves(params: Any) -> list[Tensor]:
+    leaves = [t for t in pytree.tree_leaves(params) if isinstance(t, Tensor)]
+    if not leaves:
+        raise ConfigError("the params tree has no tensor leaves to train")
+    bad = sorted({str(t.dtype) for t in leaves if not t.is_floating_point()})
+    if bad:
+        raise ConfigError(f"params leaves must be floating point to train, found {bad}")
+    return leaves
+
+
+def clip_by_global_norm(grads: list[Tensor], max_norm: float) -> Tensor:
+    """Scale `grads` in place so their global L2 norm is at most `max_norm`; return the norm
+    before clipping (a device scalar). torch.nn.utils.clip_grad_norm_'s rule, without a sync."""
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The training step `(state, batch) -> (loss, new state)`; build it with `make_step`."""
+
+    loss_fn: LossFn
+    optimizer: AdamW
+    clip_norm: float | None = None
+
+    # -- phase 1: one micro-batch -----------------------------------------------------------
+
+    def grads(self, params: Any, batch: Any) -> tuple[Tensor, list[Tensor]]:
+        """(loss, gradient of every params leaf) of one micro-batch; nothing is mutated."""
+        leaves, spec = pytree.tree_flatten(params)
+        xs = [t.detach().requires_grad_(True) if isinstance(t, Tensor) else t for t in leaves]
+        ts = [x for x in xs if isinstance(x, Tensor)]
+        with torch.enable_grad():
+            loss = self.loss_fn(pytree.tree_unflatten(xs, spec), batch)
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise TypeError(f"the loss function must return a scalar float tensor, got {_describe(loss)}")
+        gs = torch.autograd.grad(loss.reshape(()), ts, allow_unused=True)
+        return loss.detach().reshape(()).float(), [torch.zeros_like(t) if g is None else g for t, g in zip(ts, gs)]
+
+    # -- phase 2: the update, in place -------------------------------------------------------
+
+    def apply_(self, state: TrainState, grads: list[Tensor], scale: Tensor | float = 1.0) -> Tensor:
+        """Scale the summed gradients (1 / micro-batches), all-reduce them over a process group
+        when one is up, clip, and take the AdamW step in place. Return the gradient norm."""
+        torch._foreach_mul_(grads, scale)
+        _all_reduce_mean(grads)
+        if self.clip_norm is not None:
+            norm = clip_by_global_norm(grads, self.clip_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+        self.optimizer.update_(_float_leaves(state.params), grads, state.opt)
+        return norm
+
+    # -- the whole step ----------------------------------------------------------------------
+
+    def update_(self, state: TrainState, batches: Any) -> Tensor:
+        """One step in place on `state` (donated). `batches`: one batch or a list of micro-batches
+        (gradient accumulation: their mean loss and mean gradient). Return the loss."""
+        micro = list(batches) if isinstance(batches, list) else [batches]
+        if not micro:
+            raise ConfigError("a training step needs at least one batch")
+        acc, total = None, None
+        for b in micro:
+            loss, gs = self.grads(state.params, b)
+            if acc is None:
+                acc, total = [g.float() for g in gs], loss
+            else:
+                torch._foreach_add_(acc, gs)
+                total = total + loss
+        self.apply_(state, acc, 1.0 / len(micro))
+        return total / len(micro)
+
+    def __call__(self, state: TrainState, batches: Any) -> tuple[Tensor, TrainState]:
+        """Pure: `(loss, new_state)`; `state` is left as it was (its tensors are copied first)."""
+        new = state.clone()
+        return self.update_(new, batches), new
+
+
+def make_step(loss_fn: LossFn, optimizer: AdamW, *, clip_norm: float | None = None) -> Step:
+    """The training step of `loss_fn(params, batch) -> scalar loss` with `optimizer`.
+
+    Arguments:
+        loss_fn: pure function of a params tree and a batch (anything: a `Packed`, a dict of
+            them and tensors); e.g. encode + `packedenc.train.losses.mlm_loss`. Mixed precision
+            lives inside it (`encode(..., compute_dtype=torch.bfloat16)` on fp32 master params).
+        optimizer: `AdamW(lr=..., weight_decay=...)`.
+        clip_norm: clip the global gradient norm to this (None: no clipping).
+    Return:
+        a `Step`: `step(state, batch) -> (loss, new_state)` (pure), `step.update_(state, batch)`
+        (in place), and the phases `graphed_step` captures.
+    """
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, AdamW):
+        raise ConfigError(f"optimizer must be packedenc.train.AdamW, got {type(optimizer).__name__}")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ConfigError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
+    return Step(loss_fn, optimizer, None if clip_norm is None else float(clip_norm))
+
+
+def _all_reduce_mean(grads: list[Tensor]) -> None:
+    """Mean of the gradients over the default process group, if there is one with > 1 rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)  # SUM: gloo has no AVG
+    flat /= dist.get_world_size()
+    pieces = flat.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [p.view_as(g) for p, g in zip(pieces, grads)])
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
