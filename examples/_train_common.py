@@ -1,4 +1,4 @@
-"""Shared plumbing for the training examples: model choice, synthetic data, optimizer, save + check.
+"""Shared plumbing for the training examples: model choice, synthetic data, the training step, save + check.
 
 `--model tiny` builds a 2-layer random ModernBERT on the fly (runs in seconds on a CPU); any other
 value is a folder or hub id loaded with `packedenc.load` (e.g. a base-size model on a GPU).
@@ -16,8 +16,10 @@ import tempfile
 import torch
 
 import packedenc as pe
-from packedenc.train import distributed as pdist
+from packedenc.cudagraphs import graphed_step
 from packedenc.models import modernbert
+from packedenc.train import AdamW, TrainState, make_step
+from packedenc.train import distributed as pdist
 
 TINY = modernbert.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, local_attention=16, pad_token_id=0, cls_token_id=1,
@@ -85,15 +87,14 @@ def compute_dtype(device: str) -> torch.dtype | None:
     return torch.bfloat16 if device.startswith("cuda") else None
 
 
-def trainable(params):
-    """Leaves that autograd tracks (detached copies, so the loaded tree is untouched)."""
-    return torch.utils._pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), params)
-
-
-def optimizer(params, lr: float) -> torch.optim.Optimizer:
-    leaves = torch.utils._pytree.tree_leaves(params)
-    fused = leaves[0].is_cuda
-    return torch.optim.AdamW(leaves, lr=lr, weight_decay=0.01, fused=fused)
+def train_step(loss_fn, params, lr: float, *, pad=None, max_tokens: int = 4096, max_seqs: int = 64):
+    """The training step: AdamW (weight decay 0.01) on fp32 master weights, replayed as CUDA graphs on a
+    GPU (`graphed_step`: one graph per padded bucket; batches over the budget run eagerly), the same
+    padded phases run eagerly on a CPU. The params tree is donated: read it back from `.state.params`.
+    Under torchrun the gradients are averaged over the ranks inside the step."""
+    step = make_step(loss_fn, AdamW(lr=lr, weight_decay=0.01))
+    return graphed_step(step, TrainState.create(params, step.optimizer), max_tokens=max_tokens, max_seqs=max_seqs,
+                        pad=pad)
 
 
 def random_sequences(n: int, lo: int, hi: int, vocab: int, g: torch.Generator) -> list[list[int]]:
@@ -140,7 +141,9 @@ def mean_over_ranks(x: torch.Tensor) -> float:
     return x.item() / pdist.world_size()
 
 
-def report(losses: list[float]) -> None:
+def report(losses: list) -> None:
+    """`losses`: the steps' losses (device scalars: read once, at the end, no sync per step)."""
+    losses = torch.stack([torch.as_tensor(x, dtype=torch.float32).cpu() for x in losses]).tolist()
     k = max(1, len(losses) // 5)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     print(f"loss: first {k} steps {first:.4f} -> last {k} steps {last:.4f}")

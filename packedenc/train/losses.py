@@ -84,21 +84,31 @@ def mlm_loss(params, hidden_TD: Tensor, positions_M: Tensor, targets_M: Tensor, 
     return losses_M.sum() / (targets_M != -100).sum()
 
 
-def info_nce(q_QD: Tensor, p_PD: Tensor, *, temperature: float = 0.05, normalize: bool = True) -> Tensor:
+def info_nce(q_QD: Tensor, p_PD: Tensor, *, temperature: float = 0.05, normalize: bool = True,
+             q_valid: Tensor | None = None, p_valid: Tensor | None = None) -> Tensor:
     """In-batch contrastive loss: query i's positive is passage i; every other passage (including
     extra hard negatives after the first Q) is a negative.
 
     Arguments:
-        q_QD: (Q, D) pooled query embeddings. p_PD: (P, D), P >= Q, passages [positives | negatives].
+        q_QD: (Q, D) pooled query embeddings. p_PD: (P, D), P >= the real queries, passages
+            [positives | negatives].
+        q_valid, p_valid: (Q,) / (P,) masks of real rows (nonzero = real), e.g. the per-sequence
+            weight fields of a graphed step, whose padded batches end in dummy sequences: a dummy
+            query adds no loss, a dummy passage is no negative. None: every row is real.
     """
     Q, P = q_QD.shape[0], p_PD.shape[0]
-    if P < Q:
+    if q_valid is None and P < Q:
         raise InputError(f"info_nce needs at least one passage per query, got {Q} queries and {P} passages")
     q, p = q_QD.float(), p_PD.float()
     if normalize:
         q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)
     scores_QP = q @ p.T / temperature
-    return F.cross_entropy(scores_QP, torch.arange(Q, device=q.device))
+    target = torch.arange(Q, device=q.device)
+    if p_valid is not None:
+        scores_QP = scores_QP.masked_fill(p_valid.reshape(1, P) == 0, float("-inf"))
+    if q_valid is not None:
+        target = torch.where((q_valid.reshape(Q) != 0) & (target < P), target, -100)
+    return F.cross_entropy(scores_QP, target)
 
 
 def maxsim_scores(q_TD: Tensor, q_cu: Tensor, d_TD: Tensor, d_cu: Tensor) -> Tensor:
