@@ -8,6 +8,7 @@ so the first call inside CUDA-graph capture or under the interpreter behaves lik
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -68,12 +69,45 @@ def direct_launch(*tensors: Tensor | None) -> bool:
     dispatcher costs tens of microseconds of host time per call, which decides the speed of short
     batches; compile, autograd and the CPU keep going through the registered op.
     """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return eager_cuda(*tensors)
+
+
+def eager_cuda(*tensors: Tensor | None) -> bool:
+    """True in eager execution on plain CUDA tensors, gradients or not (see `direct_launch`)."""
     x = tensors[0]
     if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
     try:
         return torch._C._len_torch_dispatch_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
     except AttributeError:  # private hooks moved: take the registered op, always correct
         return False
+
+
+def eager_autograd(forward: Callable, setup: Callable, backward: Callable) -> Callable:
+    """An autograd.Function running a registered op's CUDA launcher with the op's own
+    `setup_context` and backward: the same forward and gradients as the custom op, without the
+    custom-op dispatcher, whose host time in eager training (hundreds of calls a step) exceeds
+    the GPU time of a short batch. torch.compile, functorch and the CPU keep the registered op."""
+
+    class _Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> Any:
+            out = forward(*args)
+            setup(ctx, args, out)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            return backward(ctx, *grads)
+
+    _Eager.__name__ = _Eager.__qualname__ = f"Eager_{getattr(forward, '__name__', 'op')}"
+    return _Eager.apply
+
+
+def launch_or_op(launcher: Callable, op: Callable, *args: Any) -> Any:
+    """A backward's kernel call: the launcher when it may run directly (eager CUDA, the usual case
+    inside `eager_autograd`'s backward), else the registered backward op (compile, CPU)."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return launcher(*args) if direct_launch(*tensors) else op(*args)

@@ -27,7 +27,9 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
-from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2, rows
+from packedenc.kernels.triton._common import (
+    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, next_pow2, rows,
+)
 from packedenc.kernels.triton.glu import _act, _code
 
 __all__ = ["activation", "activation_fwd", "activation_bwd", "bias_activation_fwd", "bias_activation_bwd", "BLOCK"]
@@ -227,7 +229,7 @@ def _activation(x: Tensor, act: str) -> Tensor:
 
 
 @_activation.register_kernel("cuda")
-def _(x, act):
+def _activation_cuda(x, act):
     return activation_fwd(x, act)
 
 
@@ -244,7 +246,7 @@ def _activation_bwd(dy: Tensor, x: Tensor, act: str) -> Tensor:
 
 
 @_activation_bwd.register_kernel("cuda")
-def _(dy, x, act):
+def _activation_bwd_cuda(dy, x, act):
     return activation_bwd(dy, x, act)
 
 
@@ -261,10 +263,11 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     (x,) = ctx.saved_tensors
-    return torch.ops.packedenc.activation_bwd(dy, x, ctx.act), None
+    return launch_or_op(_activation_bwd_cuda, torch.ops.packedenc.activation_bwd, dy, x, ctx.act), None
 
 
 _activation.register_autograd(_backward, setup_context=_setup)
+_activation_eager = eager_autograd(_activation_cuda, _setup, _backward)
 
 
 @torch.library.custom_op("packedenc::bias_activation", mutates_args=(), device_types="cpu")
@@ -273,7 +276,7 @@ def _bias_activation(x: Tensor, bias: Tensor, act: str) -> Tensor:
 
 
 @_bias_activation.register_kernel("cuda")
-def _(x, bias, act):
+def _bias_activation_cuda(x, bias, act):
     return bias_activation_fwd(x, bias, act)
 
 
@@ -291,7 +294,7 @@ def _bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str) -> tuple
 
 
 @_bias_activation_bwd.register_kernel("cuda")
-def _(dy, x, bias, act):
+def _bias_activation_bwd_cuda(dy, x, bias, act):
     return bias_activation_bwd(dy, x, bias, act)
 
 
@@ -308,11 +311,12 @@ def _bias_setup(ctx, inputs, output):
 
 def _bias_backward(ctx, dy):
     x, bias = ctx.saved_tensors
-    dx, db = torch.ops.packedenc.bias_activation_bwd(dy, x, bias, ctx.act)
+    dx, db = launch_or_op(_bias_activation_bwd_cuda, torch.ops.packedenc.bias_activation_bwd, dy, x, bias, ctx.act)
     return dx, db, None
 
 
 _bias_activation.register_autograd(_bias_backward, setup_context=_bias_setup)
+_bias_activation_eager = eager_autograd(_bias_activation_cuda, _bias_setup, _bias_backward)
 
 
 # ---- the Ops-table entry: the reference signature ----------------------------------------------
@@ -339,9 +343,13 @@ def activation(x: Tensor, act: str, overwrite_input: bool = False, bias: Tensor 
         reference.check_bias("activation", bias, x)
         if direct_launch(x, bias):
             return bias_activation_fwd(x, bias, act, in_place=overwrite_input)
+        if eager_cuda(x, bias):
+            return _bias_activation_eager(x, bias, act)
         return torch.ops.packedenc.bias_activation(x, bias, act)
     if act == "linear":
         return x
     if direct_launch(x):
         return _fwd(x, code, in_place=overwrite_input)
+    if eager_cuda(x):
+        return _activation_eager(x, act)
     return torch.ops.packedenc.activation(x, act)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import check_float, next_pow2
+from packedenc.kernels.triton._common import check_float, eager_autograd, eager_cuda, next_pow2
 
 __all__ = ["linear_cross_entropy", "ce_grad_", "CPU_CHUNK_ELEMS"]
 
@@ -150,7 +150,7 @@ def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) 
 
 
 @_linear_ce.register_kernel("cuda")
-def _(x, weight, bias, targets):
+def _linear_ce_cuda(x, weight, bias, targets):
     grad = _logits(x, *_padded_head(weight, bias), weight.shape[0])
     return ce_grad_(grad, targets), grad
 
@@ -188,6 +188,7 @@ def _backward(ctx, dloss, _dgrad):
 
 
 _linear_ce.register_autograd(_backward, setup_context=_setup)
+_linear_ce_eager = eager_autograd(_linear_ce_cuda, _setup, _backward)
 
 
 def linear_cross_entropy(x_MD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, targets_M: Tensor) -> Tensor:
@@ -202,4 +203,6 @@ def linear_cross_entropy(x_MD: Tensor, weight_VD: Tensor, bias_V: Tensor | None,
     if x_MD.dtype != weight_VD.dtype or (bias_V is not None and bias_V.dtype != x_MD.dtype):
         raise TypeError(f"linear_cross_entropy: x {x_MD.dtype}, weight {weight_VD.dtype} and bias "
                         f"{None if bias_V is None else bias_V.dtype} must share one dtype (as F.linear)")
+    if eager_cuda(x_MD, weight_VD, bias_V):
+        return _linear_ce_eager(x_MD, weight_VD, bias_V, targets_M)[0]
     return torch.ops.packedenc.linear_cross_entropy(x_MD, weight_VD, bias_V, targets_M)[0]

@@ -17,7 +17,9 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
-from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2, rows
+from packedenc.kernels.triton._common import (
+    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, next_pow2, rows,
+)
 
 __all__ = ["glu", "glu_fwd", "glu_bwd", "ACT_CODES"]
 
@@ -171,7 +173,7 @@ def _glu(u: Tensor, act: str = "gelu") -> Tensor:
 
 
 @_glu.register_kernel("cuda")
-def _(u, act="gelu"):
+def _glu_cuda(u, act="gelu"):
     return glu_fwd(u, act)
 
 
@@ -187,7 +189,7 @@ def _glu_bwd(dout: Tensor, u: Tensor, act: str) -> Tensor:
 
 
 @_glu_bwd.register_kernel("cuda")
-def _(dout, u, act):
+def _glu_bwd_cuda(dout, u, act):
     return glu_bwd(dout, u, act)
 
 
@@ -204,10 +206,11 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout):
     (u,) = ctx.saved_tensors
-    return torch.ops.packedenc.glu_bwd(dout, u, ctx.act), None
+    return launch_or_op(_glu_bwd_cuda, torch.ops.packedenc.glu_bwd, dout, u, ctx.act), None
 
 
 _glu.register_autograd(_backward, setup_context=_setup)
+_glu_eager = eager_autograd(_glu_cuda, _setup, _backward)
 
 
 def glu(u_T2F: Tensor, act: str = "gelu", overwrite_input: bool = False) -> Tensor:
@@ -223,4 +226,6 @@ def glu(u_T2F: Tensor, act: str = "gelu", overwrite_input: bool = False) -> Tens
     if direct_launch(u_T2F):
         return glu_fwd(u_T2F, act, in_place=overwrite_input)
     _code(act)
+    if eager_cuda(u_T2F):
+        return _glu_eager(u_T2F, act)
     return torch.ops.packedenc.glu(u_T2F, act)

@@ -22,7 +22,9 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels import reference
-from packedenc.kernels.triton._common import check_float, direct_launch, row_tile
+from packedenc.kernels.triton._common import (
+    check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, row_tile,
+)
 
 __all__ = ["graph_readout", "readout_fwd", "readout_bwd", "readout_bwd_reference"]
 
@@ -210,7 +212,7 @@ def _readout(z: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor,
 
 
 @_readout.register_kernel("cuda")
-def _(z, weight, bias, cu_seqlens, max_seqlen):
+def _readout_cuda(z, weight, bias, cu_seqlens, max_seqlen):
     return readout_fwd(z, weight, bias, cu_seqlens)
 
 
@@ -262,7 +264,7 @@ def _readout_bwd(g: Tensor, z: Tensor, weight: Tensor, bias: Tensor | None, cu_s
 
 
 @_readout_bwd.register_kernel("cuda")
-def _(g, z, weight, bias, cu_seqlens, m, den):
+def _readout_bwd_cuda(g, z, weight, bias, cu_seqlens, m, den):
     dz, dw, db = readout_bwd(g, z, weight, bias, cu_seqlens, m, den)
     return dz, dw, db if db is not None else weight.new_empty((0,))
 
@@ -280,11 +282,13 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, g, dm, dden):
     z, weight, bias, cu_seqlens, m, den = ctx.saved_tensors
-    dz, dw, db = torch.ops.packedenc.graph_readout_bwd(g, z, weight, bias if ctx.has_bias else None, cu_seqlens, m, den)
+    dz, dw, db = launch_or_op(_readout_bwd_cuda, torch.ops.packedenc.graph_readout_bwd, g, z, weight,
+                              bias if ctx.has_bias else None, cu_seqlens, m, den)
     return dz, dw, db if ctx.has_bias else None, None, None
 
 
 _readout.register_autograd(_backward, setup_context=_setup)
+_readout_eager = eager_autograd(_readout_cuda, _setup, _backward)
 
 
 # ---- the Ops-table entry: the reference signature ----------------------------------------------
@@ -303,4 +307,6 @@ def graph_readout(z_TD: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens:
     check_float("graph_readout", z_TD, weight)
     if direct_launch(z_TD, weight, bias):
         return readout_fwd(z_TD, weight, bias, cu_seqlens)[0]
+    if eager_cuda(z_TD, weight, bias):
+        return _readout_eager(z_TD, weight, bias, cu_seqlens, max_seqlen)[0]
     return torch.ops.packedenc.graph_readout(z_TD, weight, bias, cu_seqlens, max_seqlen)[0]

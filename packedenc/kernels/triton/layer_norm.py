@@ -26,7 +26,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
-from packedenc.kernels.triton._common import direct_launch
+from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
 from packedenc.kernels.triton.layer_norm_kernels import ln_bwd, ln_fwd
 
 __all__ = ["layer_norm", "add_layer_norm", "embed_layer_norm"]
@@ -41,7 +41,7 @@ def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> T
 
 
 @_layer_norm.register_kernel("cuda")
-def _(x, weight, bias, eps):
+def _layer_norm_cuda(x, weight, bias, eps):
     return ln_fwd(x, weight, bias, eps)[0]
 
 
@@ -58,7 +58,7 @@ def _add_layer_norm(
 
 
 @_add_layer_norm.register_kernel("cuda")
-def _(x, residual, weight, bias, eps, x_bias=None):
+def _add_layer_norm_cuda(x, residual, weight, bias, eps, x_bias=None):
     return ln_fwd(x, weight, bias, eps, residual=residual, x_bias=x_bias)
 
 
@@ -75,7 +75,7 @@ def _embed_layer_norm(ids: Tensor, table: Tensor, weight: Tensor, bias: Tensor |
 
 
 @_embed_layer_norm.register_kernel("cuda")
-def _(ids, table, weight, bias, eps):
+def _embed_layer_norm_cuda(ids, table, weight, bias, eps):
     return ln_fwd(table, weight, bias, eps, ids=ids)[0].view(*ids.shape, table.shape[-1])
 
 
@@ -101,7 +101,7 @@ def _layer_norm_bwd(
 
 
 @_layer_norm_bwd.register_kernel("cuda")
-def _(dy, x, ids, dsum, weight, eps, need_db=True, need_dxb=False):
+def _layer_norm_bwd_cuda(dy, x, ids, dsum, weight, eps, need_db=True, need_dxb=False):
     return ln_bwd(dy, x, weight, eps, dsum=dsum, ids=ids, need_db=need_db, need_dxb=need_dxb)
 
 
@@ -130,7 +130,8 @@ def _ln_setup(ctx, inputs, output):
 
 def _ln_backward(ctx, dy):
     x, weight = ctx.saved_tensors
-    dx, sums = torch.ops.packedenc.layer_norm_bwd(dy, x, None, None, weight, ctx.eps, ctx.has_bias)
+    dx, sums = launch_or_op(_layer_norm_bwd_cuda, torch.ops.packedenc.layer_norm_bwd, dy, x, None, None, weight,
+                            ctx.eps, ctx.has_bias)
     dw, db, _ = _split(sums, weight, ctx.has_bias)
     return dx.view_as(x), dw, db, None
 
@@ -154,7 +155,7 @@ def _add_ln_backward(ctx, dy, dsum):
         if ctx.xb_dtype is not None:
             dxb = dsum.reshape(-1, s.shape[-1]).sum(0, dtype=torch.float32).to(ctx.xb_dtype)
     else:
-        ds, sums = torch.ops.packedenc.layer_norm_bwd(dy, s, None, dsum, weight, ctx.eps, ctx.has_bias,
+        ds, sums = launch_or_op(_layer_norm_bwd_cuda, torch.ops.packedenc.layer_norm_bwd, dy, s, None, dsum, weight, ctx.eps, ctx.has_bias,
                                                       ctx.xb_dtype is not None)
         ds = ds.view_as(s)
         dw, db, dxb = _split(sums, weight, ctx.has_bias, ctx.xb_dtype)
@@ -169,7 +170,8 @@ def _embed_ln_setup(ctx, inputs, output):
 
 def _embed_ln_backward(ctx, dy):
     ids, table, weight = ctx.saved_tensors
-    dx, sums = torch.ops.packedenc.layer_norm_bwd(dy, table, ids.reshape(-1), None, weight, ctx.eps, ctx.has_bias)
+    dx, sums = launch_or_op(_layer_norm_bwd_cuda, torch.ops.packedenc.layer_norm_bwd, dy, table, ids.reshape(-1), None,
+                            weight, ctx.eps, ctx.has_bias)
     dw, db, _ = _split(sums, weight, ctx.has_bias)
     # embedding_dense_backward is F.embedding's own backward (sorted segment sums on CUDA).
     dtable = torch.ops.aten.embedding_dense_backward(dx, ids.reshape(-1), table.shape[0], -1, False)
@@ -179,6 +181,9 @@ def _embed_ln_backward(ctx, dy):
 _layer_norm.register_autograd(_ln_backward, setup_context=_ln_setup)
 _add_layer_norm.register_autograd(_add_ln_backward, setup_context=_add_ln_setup)
 _embed_layer_norm.register_autograd(_embed_ln_backward, setup_context=_embed_ln_setup)
+_layer_norm_eager = eager_autograd(_layer_norm_cuda, _ln_setup, _ln_backward)
+_add_layer_norm_eager = eager_autograd(_add_layer_norm_cuda, _add_ln_setup, _add_ln_backward)
+_embed_layer_norm_eager = eager_autograd(_embed_layer_norm_cuda, _embed_ln_setup, _embed_ln_backward)
 
 
 # ---- the Ops-table entries: reference signatures ----------------------------------------------
@@ -188,6 +193,8 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
     """LayerNorm over the last dim: fp32 statistics, one rounding (see `reference.layer_norm`)."""
     if direct_launch(x_TD, weight, bias):
         return ln_fwd(x_TD, weight, bias, eps)[0]
+    if eager_cuda(x_TD, weight, bias):
+        return _layer_norm_eager(x_TD, weight, bias, eps)
     return torch.ops.packedenc.layer_norm(x_TD, weight, bias, eps)
 
 
@@ -205,7 +212,10 @@ def add_layer_norm(
         reference.check_bias("add_layer_norm", x_bias, x_TD, "x_bias")
     if direct_launch(x_TD, residual_TD, weight, bias, x_bias):
         return ln_fwd(x_TD, weight, bias, eps, residual=residual_TD, x_bias=x_bias, keep_sum=keep_sum)
-    y, s = torch.ops.packedenc.add_layer_norm(x_TD, residual_TD, weight, bias, eps, x_bias)
+    if eager_cuda(x_TD, residual_TD, weight, bias, x_bias):
+        y, s = _add_layer_norm_eager(x_TD, residual_TD, weight, bias, eps, x_bias)
+    else:
+        y, s = torch.ops.packedenc.add_layer_norm(x_TD, residual_TD, weight, bias, eps, x_bias)
     return y, s if keep_sum else None
 
 
@@ -216,4 +226,6 @@ def embed_layer_norm(
     rejected by `encode`'s input checks; the kernel reads zeros for them rather than fault."""
     if direct_launch(table_VD, weight, bias) and ids_T.is_cuda:
         return ln_fwd(table_VD, weight, bias, eps, ids=ids_T)[0].view(*ids_T.shape, table_VD.shape[-1])
+    if eager_cuda(table_VD, weight, bias) and ids_T.is_cuda:
+        return _embed_layer_norm_eager(ids_T, table_VD, weight, bias, eps)
     return torch.ops.packedenc.embed_layer_norm(ids_T, table_VD, weight, bias, eps)

@@ -31,7 +31,9 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
-from packedenc.kernels.triton._common import cdiv, check_float, direct_launch, next_pow2
+from packedenc.kernels.triton._common import (
+    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, next_pow2,
+)
 
 __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]
 
@@ -177,7 +179,7 @@ def _rotary(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1.0) 
 
 
 @_rotary.register_kernel("cuda")
-def _(qkv, positions, theta, scaling=1.0):
+def _rotary_cuda(qkv, positions, theta, scaling=1.0):
     return rotary_fwd(qkv, positions, theta, scaling)
 
 
@@ -193,7 +195,7 @@ def _rotary_bwd(dq: Tensor, dk: Tensor, positions: Tensor, theta: float, scaling
 
 
 @_rotary_bwd.register_kernel("cuda")
-def _(dq, dk, positions, theta, scaling):
+def _rotary_bwd_cuda(dq, dk, positions, theta, scaling):
     return rotary_bwd(dq, dk, positions, theta, scaling)
 
 
@@ -211,10 +213,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dq, dk):
     (positions,) = ctx.saved_tensors
-    return torch.ops.packedenc.rotary_bwd(dq, dk, positions, ctx.theta, ctx.scaling), None, None, None
+    dqkv = launch_or_op(_rotary_bwd_cuda, torch.ops.packedenc.rotary_bwd, dq, dk, positions, ctx.theta, ctx.scaling)
+    return dqkv, None, None, None
 
 
 _rotary.register_autograd(_backward, setup_context=_setup)
+_rotary_eager = eager_autograd(_rotary_cuda, _setup, _backward)
 
 
 @torch.library.custom_op("packedenc::rotary_qkv", mutates_args=(), device_types="cpu")
@@ -224,7 +228,7 @@ def _rotary_qkv(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1
 
 
 @_rotary_qkv.register_kernel("cuda")
-def _(qkv, positions, theta, scaling=1.0):
+def _rotary_qkv_cuda(qkv, positions, theta, scaling=1.0):
     return rotary_fwd(qkv, positions, theta, scaling, with_v=True)
 
 
@@ -240,7 +244,7 @@ def _rotary_qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, positions: Tensor, theta
 
 
 @_rotary_qkv_bwd.register_kernel("cuda")
-def _(dq, dk, dv, positions, theta, scaling):
+def _rotary_qkv_bwd_cuda(dq, dk, dv, positions, theta, scaling):
     return rotary_bwd(dq, dk, positions, theta, scaling, dv)
 
 
@@ -252,11 +256,13 @@ def _(dq, dk, dv, positions, theta, scaling):
 
 def _qkv_backward(ctx, dq, dk, dv):
     (positions,) = ctx.saved_tensors
-    dqkv = torch.ops.packedenc.rotary_qkv_bwd(dq, dk, dv, positions, ctx.theta, ctx.scaling)
+    dqkv = launch_or_op(_rotary_qkv_bwd_cuda, torch.ops.packedenc.rotary_qkv_bwd, dq, dk, dv, positions, ctx.theta,
+                        ctx.scaling)
     return dqkv, None, None, None
 
 
 _rotary_qkv.register_autograd(_qkv_backward, setup_context=_setup)
+_rotary_qkv_eager = eager_autograd(_rotary_qkv_cuda, _setup, _qkv_backward)
 
 
 def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0,
@@ -277,7 +283,11 @@ def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float =
             return (q, k, qkv_T3HK[:, 2]) if with_v else (q, k)
         if direct_launch(qkv_T3HK):
             q, k = rotary_fwd(qkv_T3HK, positions_T, theta, scaling)
+        elif eager_cuda(qkv_T3HK):
+            q, k = _rotary_eager(qkv_T3HK, positions_T, float(theta), float(scaling))
         else:
             q, k = torch.ops.packedenc.rotary(qkv_T3HK, positions_T, theta, scaling)
         return (q, k, qkv_T3HK[:, 2]) if with_v else (q, k)
+    if eager_cuda(qkv_T3HK):
+        return _rotary_qkv_eager(qkv_T3HK, positions_T, float(theta), float(scaling))
     return torch.ops.packedenc.rotary_qkv(qkv_T3HK, positions_T, theta, scaling)
