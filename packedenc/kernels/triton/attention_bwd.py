@@ -53,10 +53,11 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, 
             k = tl.load(kp, mask=kmask[None, :], other=0.0)
             v = tl.load(vp, mask=kmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        p = tl.exp2(s * qk_scale - lse[:, None])
-        if MASKED:  # where(), not a multiply: another sequence's exp2 may be inf
+        x = s * qk_scale - lse[:, None]
+        if MASKED:  # before exp2: another sequence's score may overflow it
             keep = (cols[None, :] >= kl[:, None]) & (cols[None, :] < kh[:, None])
-            p = tl.where(keep, p, 0.0)
+            x = tl.where(keep, x, float("-inf"))
+        p = tl.exp2(x)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -128,10 +129,11 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
             lse = tl.load(LSE + h * T + rows)
             delta = tl.load(DELTA + h * T + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
-        p_t = tl.exp2(s_t * qk_scale - lse[None, :])
+        x_t = s_t * qk_scale - lse[None, :]
         if MASKED:
             keep = (rows[None, :] >= ql[:, None]) & (rows[None, :] < qh[:, None])
-            p_t = tl.where(keep, p_t, 0.0)
+            x_t = tl.where(keep, x_t, float("-inf"))
+        p_t = tl.exp2(x_t)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
