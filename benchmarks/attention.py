@@ -221,7 +221,8 @@ def table(records: list[dict[str, Any]]) -> str:
         chk = ""
         if "check_ok" in r:
             worst = max(("out", "dq", "dk", "dv"), key=lambda n: r[f"err_{n}"] / max(r[f"err_plain_{n}"], 1e-9))
-            chk = f"{'ok' if r['check_ok'] else 'FAIL'} {worst} {r[f'err_{worst}']:.1e}/{2 * r[f'err_plain_{worst}']:.1e}"
+            e, bound = r[f"err_{worst}"], 2 * r[f"err_plain_{worst}"]
+            chk = f"{'ok' if r['check_ok'] else 'FAIL'} {worst} {e:.1e}/{bound:.1e}"
         lines.append(f"{r['workload']:20s} {r['system']:12s} {r['tokens']:6d} {r['sequences']:5d} "
                      f"{r['fwd_ms']:7.3f} {r['fwd_bwd_ms']:10.3f} {met:>7s} {chk:>28s}")
     return "\n".join(lines)

@@ -18,6 +18,9 @@ whole chain, "first>second": e.g. `graph_attention=triton>flash` on CUDA, becaus
 takes a full layer's fused fp16 / bf16 qkv buffer (`triton/attention_op.covers_graph`) and torch's
 efficient kernel (flash.py) the anchor-only layer and fp32. `varlen_attention=triton` has no rule:
 the Triton kernel takes every input (forward and backward), and refuses bad ones with an InputError.
+A forced backend comes first and the rest follows the auto order: `backend="flash"` gives
+`varlen_attention=flash>triton` (flash kernels take CUDA fp16 / bf16 with head dims that are
+multiples of 8, `flash.covers_varlen`).
 
 Adding a kernel (checklist):
 1. The plain-torch version goes in `reference.py` under the op's name; add the field to `Ops`.

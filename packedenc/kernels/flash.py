@@ -370,7 +370,8 @@ def graph_attention(
         raise InputError("graph_attention: give k and v, or neither (fused qkv)")
     K = q_QHK.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    cu_seqlens_q, cu_seqlens_k = (c if c.dtype == torch.int32 else c.to(torch.int32) for c in (cu_seqlens_q, cu_seqlens_k))
+    cu_seqlens_q, cu_seqlens_k = (c if c.dtype == torch.int32 else c.to(torch.int32)
+                                  for c in (cu_seqlens_q, cu_seqlens_k))
     use_flash = core == "flash" and q_QHK.dtype in (torch.float16, torch.bfloat16)
     if fused and not callable(core) and not use_flash:
         qkv = q_QHK if key_bias_TH is None else fold_key_bias_qkv(q_QHK, key_bias_TH, scale)

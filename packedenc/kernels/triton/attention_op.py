@@ -120,7 +120,8 @@ def check_inputs(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens: Tens
         what = "(T, 3, H, K) fused qkv" if fused else "(T, H, K)"
         raise InputError(f"varlen_attention: q must be {what}, got shape {tuple(q.shape)}")
     if not fused and (k.shape != q.shape or v.shape != q.shape):
-        raise InputError(f"varlen_attention: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise InputError(f"varlen_attention: q, k, v shapes differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if q.dtype not in _FLOATS or (not fused and not (k.dtype == v.dtype == q.dtype)):
         got = q.dtype if fused else (q.dtype, k.dtype, v.dtype)
         raise InputError(f"varlen_attention: q, k, v must share one of float16, bfloat16, float32; got {got}")
