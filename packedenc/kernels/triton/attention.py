@@ -177,7 +177,7 @@ def _fwd_kernel(
 # tutorial (128 owned rows, 32-row inner tiles) until `python -m benchmarks.attention --sweep`
 # places them.
 #   case                               forward            dQ                 dK/dV
-TILE_WIDE = ((32, 32, 4, 1), (32, 16, 4, 1), (32, 16, 8, 1))  # head dim > 128: registers for M x 256
+TILE_WIDE = ((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))  # head dim > 128: registers for M x 256
 TILE_WINDOW = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # local: 0.90-0.95x the fwd time of 64x64
 TILE_SHORT = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # global, max_seqlen <= 128 (query packs)
 TILE_MID = ((64, 64, 4, 3), (128, 32, 8, 3), (128, 32, 8, 3))  # global, T < 32k: more programs per wave
