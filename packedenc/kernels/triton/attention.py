@@ -176,7 +176,7 @@ def _fwd_kernel(
 # kernels (1.63 vs 2.30 ms fwd+bwd with 8 warps); the long rows follow Triton's Hopper attention
 # tutorial (128 owned rows, 32-row inner tiles) until `python -m benchmarks.attention --sweep`
 # places them.
-#   case                               forward            dQ                 dK/dV
+# Each row: (forward, dQ, dK/dV) tiles; the case and why after it.
 TILE_WIDE = ((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))  # head dim > 128: registers for M x 256
 TILE_WINDOW = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # local: 0.90-0.95x the fwd time of 64x64
 TILE_SHORT = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # global, max_seqlen <= 128 (query packs)
