@@ -261,9 +261,9 @@ def test_triton_graph_attention_folds_the_bias_and_returns_one_gradient(bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [(-1, -1), (64, 64), (64, 0)])
-@pytest.mark.parametrize("H,K", [(12, 64), (4, 32), (4, 128)])
+@pytest.mark.parametrize("dtype,H,K", [(torch.bfloat16, 12, 64), (torch.bfloat16, 4, 32), (torch.bfloat16, 4, 128),
+                                       (torch.float16, 12, 64)])
 def test_gpu_2x_rule_determinism_isolation(dtype, window, H, K):
     (q, k, v, do, cu, L), got = _check(GPU_LENGTHS, H, K, dtype, window, atol=1e-3, tile=None, bwd=None)
     again = _kernels(q, k, v, do, cu, L, window, tile=None, bwd=None)
@@ -277,12 +277,13 @@ def test_gpu_2x_rule_determinism_isolation(dtype, window, H, K):
         assert torch.equal(a[~other], b[~other]) and not torch.equal(a[other], b[other])
 
 
-_BWD_SWEEP = ((64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 3), (128, 64, 8, 2), (32, 32, 4, 1))
+# (forward tile, backward tile for both passes): every row of the table and the sweep's extremes
+_TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 3)), (A.TILE_LONG[0], (128, 64, 8, 2)),
+               ((32, 32, 4, 1), (32, 32, 4, 1)), ((128, 128, 8, 2), (64, 64, 4, 2)), ((64, 64, 4, 3), (128, 32, 4, 3))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [A.TILE_WINDOW[0], A.TILE_MID[0], A.TILE_LONG[0], (32, 32, 4, 1)])
-@pytest.mark.parametrize("bwd", _BWD_SWEEP)
+@pytest.mark.parametrize("tile,bwd", _TILE_PAIRS)
 @pytest.mark.parametrize("window", [(-1, -1), (64, 64)])
 def test_gpu_every_tile(tile, bwd, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3  # query-like, blocks straddle many sequences
