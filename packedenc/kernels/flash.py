@@ -1,6 +1,12 @@
-"""Varlen flash attention: the only module that knows torch varlen / flash-attn / FA4 signatures.
+"""torch's and flash-attn's attention kernels: the only module that knows their varlen signatures.
 
-Shapes: T packed tokens, S sequences, H heads, K head dim.
+Shapes: Q packed queries, T packed tokens (keys), S sequences, H heads, K head dim.
+
+Registered as the "flash" backend: `varlen_attention` (for the inputs `covers_varlen` accepts:
+CUDA, fp16 / bf16, head dims that are multiples of 8 up to 256; the op table routes the rest) and
+`graph_attention` (torch's aten efficient / flash kernels, every input).
+
+## varlen_attention
 
 Every implementation has `reference.varlen_attention`'s signature
 `(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=(-1, -1), scale=None)`, with FA's window
@@ -14,10 +20,19 @@ convention (query i sees keys i - left .. i + right, -1 unbounded; ModernBERT lo
 - "fa2": `flash_attn.flash_attn_varlen_func` (flash-attn 2.x), when installed.
 - "fa4": `flash_attn.cute.flash_attn_varlen_func` (FlashAttention-4, sm90+), when installed.
 
-`varlen_attention` (registered as the "flash" backend) uses the first available of fa4 (sm90+),
-fa2, torch, aten, and falls back to the reference where flash kernels do not apply (CPU tensors,
-fp32, head dims flash does not support). To force one implementation, replace the table entry:
+`varlen_attention` uses the first available of fa4 (sm90+), fa2, torch, aten. To force one
+implementation, replace the table entry:
 `dataclasses.replace(packedenc.get_ops("auto", "cuda"), varlen_attention=flash.IMPLS["aten"])`.
+
+## graph_attention
+One *core* runs each call (`core=`, default "efficient"):
+- "efficient": `aten._efficient_attention_forward/_backward` (cutlass memory-efficient), any
+  dtype, own query / key boundaries (the anchor-only last layer). With a fused qkv buffer its
+  backward allocates dq, dk, dv as slices of one (T, 3, H, K) tensor (`shared_storage_dqdkdv`),
+  returned as the gradient of the buffer: no stack of three gradients, no strided copies.
+- "flash": `aten._flash_attention_forward` (FA2 inside torch), fp16 / bf16, head dim <= 256.
+GiGL's key bias is folded into the head dim (`kernels/graph_attention.py`), padded to a multiple
+of 8 (the kernels' alignment).
 """
 
 from __future__ import annotations
@@ -30,20 +45,25 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from packedenc.errors import InputError
 from packedenc.kernels import reference, register_impl
+from packedenc.kernels.graph_attention import fold_key_bias, fold_key_bias_qkv, pad_head_dim
 from packedenc.kernels.reference import backward as reference_bwd
 
-__all__ = ["varlen_attention", "IMPLS", "BEST"]
+__all__ = ["varlen_attention", "covers_varlen", "graph_attention", "efficient_qkv_attention",
+           "aten_graph_attention", "GRAPH_CORES", "IMPLS", "BEST"]
 
 log = logging.getLogger("packedenc")
 
 
-def _fast_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    K = q.shape[-1]
+def covers_varlen(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                  window: tuple[int, int] = (-1, -1), scale: float | None = None) -> bool:
+    """The varlen_attention calls flash kernels take (host values only)."""
+    K = q_THK.shape[-1]
     return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and k.dtype == q.dtype == v.dtype
+        q_THK.is_cuda
+        and q_THK.dtype in (torch.float16, torch.bfloat16)
+        and k_THK.dtype == q_THK.dtype == v_THK.dtype
         and K % 8 == 0
         and K <= 256
     )
@@ -217,15 +237,153 @@ def varlen_attention(
     """Non-causal varlen attention with an FA window, on the best installed flash kernel.
 
     Arguments:
-        q_THK, k_THK, v_THK: (T, H, K) packed; last dim contiguous (other strides are free).
+        q_THK, k_THK, v_THK: (T, H, K) packed CUDA fp16 / bf16, K a multiple of 8 <= 256 (what
+            `covers_varlen` accepts); last dim contiguous (other strides are free).
         cu_seqlens: (S+1,) int32 on the same device. max_seqlen: host int >= longest sequence.
         window: (left, right), -1 unbounded. scale: default K ** -0.5.
     Return:
-        (T, H, K) in q's dtype. CPU tensors, fp32 and unsupported head dims use the reference.
+        (T, H, K) in q's dtype.
     """
-    if not _fast_ok(q_THK, k_THK, v_THK):
-        return reference.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale)
+    if not covers_varlen(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen):
+        raise InputError(f"flash varlen_attention: needs CUDA fp16 / bf16 q, k, v with a head dim that is a "
+                         f"multiple of 8 up to 256, got {q_THK.dtype} {tuple(q_THK.shape)} on {q_THK.device}")
     return _BEST_FN(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale)
 
 
-register_impl("flash", "varlen_attention", varlen_attention)
+register_impl("flash", "varlen_attention", varlen_attention, covers=covers_varlen)
+
+
+# ---- graph_attention: torch's efficient and flash kernels ------------------------------------------
+
+GRAPH_CORES = ("efficient", "flash")
+_MAX_FLASH_HEAD_DIM = 256  # FA2's limit; larger heads go to the efficient kernel
+
+
+def aten_graph_attention(
+    q_QHK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, *, flash: bool = False,
+) -> Tensor:
+    """Bias-free packed attention with own query / key boundaries (autograd: torch's formulas).
+
+    `flash=True` takes FA2 for fp16 / bf16 heads <= 256; otherwise the efficient kernel. The head
+    dim must already be a multiple of 8.
+    """
+    lowp = q_QHK.dtype in (torch.float16, torch.bfloat16)
+    if flash and lowp and q_QHK.shape[-1] <= _MAX_FLASH_HEAD_DIM:
+        out = torch.ops.aten._flash_attention_forward(
+            q_QHK, k_THK, v_THK, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            0.0, False, False, scale=scale,
+        )
+        return out[0]
+    # The backward needs the log-sum-exp, which the kernel only writes when asked.
+    need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q_QHK, k_THK, v_THK))
+    out = torch.ops.aten._efficient_attention_forward(
+        q_QHK[None], k_THK[None], v_THK[None], None, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, 0.0, 0, need_lse, scale=scale,
+    )
+    return out[0][0]
+
+
+def _dqkv_from_shared(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor:
+    """The (T, 3, H, K) tensor that `shared_storage_dqdkdv` allocated, without a copy when dq, dk,
+    dv are its three slices (they are, in torch 2.11-2.13); otherwise a stack (one copy)."""
+    _, T, H, K = dq.shape
+    want = (3 * H * K * T, 3 * H * K, K, 1)
+    shared = (
+        dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+        and dq.stride() == dk.stride() == dv.stride() == want
+        and dk.storage_offset() - dq.storage_offset() == H * K
+        and dv.storage_offset() - dq.storage_offset() == 2 * H * K
+    )
+    if shared:
+        return dq.as_strided((T, 3, H, K), (3 * H * K, H * K, K, 1), dq.storage_offset())
+    return torch.stack([dq[0], dk[0], dv[0]], dim=1)
+
+
+class _EfficientQKV(torch.autograd.Function):
+    """Efficient-kernel attention on a fused qkv buffer whose gradient is one (T, 3, H, K) tensor."""
+
+    @staticmethod
+    def forward(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float):
+        q, k, v = qkv[None].unbind(2)  # (1, T, H, K) views, row stride 3HK
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, 0, True, scale=scale,
+        )
+        return out[0], lse, seed, offset
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        qkv, cu_seqlens, max_seqlen, scale = inputs
+        out, lse, seed, offset = output
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens, seed, offset)
+        ctx.mark_non_differentiable(lse, seed, offset)
+        ctx.args = (max_seqlen, scale)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        qkv, out, lse, cu_seqlens, seed, offset = ctx.saved_tensors
+        max_seqlen, scale = ctx.args
+        q, k, v = qkv[None].unbind(2)
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dout[None], q, k, v, None, out[None], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, lse,
+            0.0, seed, offset, 0, False, scale=scale, shared_storage_dqdkdv=True,
+        )
+        return _dqkv_from_shared(dq, dk, dv), None, None, None
+
+
+def efficient_qkv_attention(qkv_T3HK: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
+    """The efficient kernel on a fused (T, 3, H, K) buffer (head dim a multiple of 8): (T, H, K)."""
+    if torch.is_grad_enabled() and qkv_T3HK.requires_grad:
+        return _EfficientQKV.apply(qkv_T3HK, cu_seqlens, max_seqlen, scale)[0]
+    q, k, v = qkv_T3HK[None].unbind(2)
+    out = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, 0, False, scale=scale,
+    )
+    return out[0][0]
+
+
+def graph_attention(
+    q_QHK: Tensor,
+    k_THK: Tensor | None,
+    v_THK: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    key_bias_TH: Tensor | None = None,
+    scale: float | None = None,
+    *,
+    core: str | Callable[..., Tensor] = "efficient",
+) -> Tensor:
+    """`reference.graph_attention` on torch's kernels (same signature and result).
+
+    With k_THK = v_THK = None, q_QHK is the fused (T, 3, H, K) qkv buffer of a full layer
+    (cu_seqlens_q = cu_seqlens_k); on the efficient core its gradient then stays one tensor.
+    `core`: "efficient" (any dtype), "flash" (fp16 / bf16; fp32 runs "efficient"), or a callable
+    taking (q, k, v, cu_q, cu_k, max_q, max_k, scale) with head dims padded to a multiple of 8:
+    tests pass the reference there to check the folding and padding on the CPU.
+    """
+    if not callable(core) and core not in GRAPH_CORES:
+        raise InputError(f"graph_attention: unknown core {core!r}; choose one of {GRAPH_CORES}")
+    fused = k_THK is None
+    if fused != (v_THK is None):
+        raise InputError("graph_attention: give k and v, or neither (fused qkv)")
+    K = q_QHK.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    cu_seqlens_q, cu_seqlens_k = (c if c.dtype == torch.int32 else c.to(torch.int32)
+                                  for c in (cu_seqlens_q, cu_seqlens_k))
+    use_flash = core == "flash" and q_QHK.dtype in (torch.float16, torch.bfloat16)
+    if fused and not callable(core) and not use_flash:
+        qkv = q_QHK if key_bias_TH is None else fold_key_bias_qkv(q_QHK, key_bias_TH, scale)
+        return efficient_qkv_attention(pad_head_dim(qkv), cu_seqlens_k, max_seqlen_k, scale)[..., :K]
+    if fused:
+        q_QHK, k_THK, v_THK = q_QHK.unbind(1)
+    if key_bias_TH is not None:
+        q_QHK, k_THK, v_THK = fold_key_bias(q_QHK, k_THK, v_THK, key_bias_TH, scale)
+    q, k, v = (pad_head_dim(t) for t in (q_QHK, k_THK, v_THK))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    out = core(*args) if callable(core) else aten_graph_attention(*args, flash=use_flash)
+    return out[..., :K]
+
+
+register_impl("flash", "graph_attention", graph_attention)

@@ -1,7 +1,8 @@
 """flash.py: varlen attention backends (torch varlen_attn, aten flash custom op, flash-attn, FA4).
 
 On the CPU only the registration of the aten custom op can run (its CPU implementation is the
-reference); the `gpu` tests check every installed implementation against the reference.
+reference), and the inputs flash refuses; the `gpu` tests check every installed implementation
+against the reference. flash.py's graph_attention: tests/models/test_graph_transformer*.py.
 """
 
 import pytest
@@ -17,11 +18,16 @@ def _qkv(T, H, K, dtype=torch.float32, device="cpu"):
     return [torch.randn(T, H, K, device=device).to(dtype) for _ in range(3)]
 
 
-def test_cpu_tensors_use_the_reference():
-    q, k, v = _qkv(10, 2, 8)
+def test_inputs_flash_does_not_take_are_refused_and_left_to_the_table():
+    # CPU tensors, fp32, head dims that are not multiples of 8: `covers_varlen` says no, the op
+    # table routes those calls to the next choice, and a direct call says why it refuses
+    from packedenc.errors import InputError
+
     cu = cu_seqlens(CPU_LEN, "cpu")
-    torch.testing.assert_close(flash.varlen_attention(q, k, v, cu, 6, (2, 2)),
-                               reference.varlen_attention(q, k, v, cu, 6, (2, 2)), rtol=0, atol=0)
+    for q in (torch.randn(10, 2, 8), torch.randn(10, 2, 8).half(), torch.randn(10, 2, 12).half()):
+        assert not flash.covers_varlen(q, q, q, cu, 6)
+        with pytest.raises(InputError, match="needs CUDA fp16 / bf16"):
+            flash.varlen_attention(q, q, q, cu, 6, (2, 2))
 
 
 def test_torch_at_least_2_11_offers_varlen_attn_with_a_window():

@@ -15,9 +15,8 @@ import torch
 import packedenc as pe
 from packedenc.convert.gigl import gigl_key, to_gigl
 from packedenc.errors import ConfigError, InputError
-from packedenc.kernels import reference
+from packedenc.kernels import flash, reference
 from packedenc.kernels import graph_attention as GA
-from packedenc.kernels.graph_attention import graph_attention as graph_attention_cuda
 from packedenc.models.graph_transformer import forward as FW
 from packedenc.models.graph_transformer import GraphTransformerConfig, encode, init, project_nodes
 from packedenc.pytree import named_leaves, tree_map
@@ -142,11 +141,16 @@ def test_projected_tokens_equal_raw_features():
 def _registered_ops_table():
     """The reference table with the fused ops swapped for the Triton modules' Ops-table entries. On
     the CPU those run their registered custom ops (reference implementation, registered autograd):
-    the model then goes through the ops' bias plumbing (`bias=`, `x_bias=`) and backward formulas."""
-    from packedenc.kernels.triton import activation as A, glu as G, layer_norm as L
+    the model then goes through the ops' bias plumbing (`bias=`, `x_bias=`) and backward formulas.
+    graph_attention is routed as on CUDA, but by layout alone (the CPU tests run fp32): full
+    layers' fused qkv to the Triton entry (key-bias fold, one (T, 3, H, K) gradient), the
+    anchor-only layer to the reference."""
+    from packedenc import kernels
+    from packedenc.kernels.triton import activation as A, attention_op as AT, glu as G, layer_norm as L
 
+    graph = kernels._route(AT.graph_attention, lambda q, k, *a, **kw: k is None, reference.graph_attention)
     return dataclasses.replace(pe.get_ops("reference"), activation=A.activation, glu=G.glu,
-                               add_layer_norm=L.add_layer_norm, layer_norm=L.layer_norm)
+                               add_layer_norm=L.add_layer_norm, layer_norm=L.layer_norm, graph_attention=graph)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -216,7 +220,7 @@ def test_bf16_params_run_close_to_fp32():
     assert cos.min() > 0.999
 
 
-# ---- the CUDA implementation's algebra, on the CPU ---------------------------------------------
+# ---- flash.py's graph_attention algebra (torch's kernels), on the CPU ---------------------------
 
 
 def _core_ref(q, k, v, cq, ck, mq, mk, scale):
@@ -237,7 +241,7 @@ def test_cuda_graph_attention_folding_equals_reference(K, anchors_only, bias):
     if anchors_only:
         q, cq, mq = q[cu[:-1].long()], torch.arange(S + 1, dtype=torch.int32), 1
     want = reference.graph_attention(q, k, v, cq, cu, mq, 9, kb)
-    got = graph_attention_cuda(q, k, v, cq, cu, mq, 9, kb, core=_core_ref)
+    got = flash.graph_attention(q, k, v, cq, cu, mq, 9, kb, core=_core_ref)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -250,41 +254,23 @@ def test_fused_qkv_fold_equals_separate_fold():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_qkv_routes_to_the_token_block_core_on_cpu(bias):
-    # fp16 on the CPU: the "triton" core's registered op runs its reference there, so this checks
-    # the routing (fused buffer, fold without padding, slicing the bias column off) and that the
-    # gradient reaches the fused buffer; the kernels themselves: tests/kernels/test_packed_attention.py
-    g = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 1, 6, 8, 17], dtype=torch.int32)
-    qkv = torch.randn(17, 3, 3, 8, generator=g).half().requires_grad_()
-    kb = torch.randn(17, 3, generator=g).half() if bias else None
-    assert GA.choose_core(torch.float16, fused=True) == "triton"
-    assert GA.choose_core(torch.float16, fused=False) == "efficient"  # own query boundaries
-    assert GA.choose_core(torch.float32, fused=True, core="flash") == "efficient"  # fp32
-    assert GA.choose_core(torch.bfloat16, fused=True, head_dim=256) == "efficient"  # 257 with a bias column
-    assert GA.choose_core(torch.bfloat16, fused=True, core="flash") == "flash"
-    out = graph_attention_cuda(qkv, None, None, cu, cu, 9, 9, kb)
-    want = reference.graph_attention(qkv, None, None, cu, cu, 9, 9, kb)
-    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
-    (d,) = torch.autograd.grad(out.float().sum(), qkv)
-    x = qkv.detach().float().requires_grad_()
-    (d_ref,) = torch.autograd.grad(reference.graph_attention(x, None, None, cu, cu, 9, 9, kb).sum(), x)
-    assert d.shape == qkv.shape
-    torch.testing.assert_close(d.float(), d_ref, atol=5e-3, rtol=5e-3)
-    with pytest.raises(ValueError, match="unknown graph_attention core"):
-        GA.choose_core(torch.float16, True, "fa3")
+def test_unknown_flash_core_and_half_given_kv_are_refused():
+    qkv, cu = torch.randn(5, 3, 2, 8), torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(InputError, match="unknown core"):
+        flash.graph_attention(qkv, None, None, cu, cu, 5, 5, core="fa3")
+    with pytest.raises(InputError, match="give k and v, or neither"):
+        flash.graph_attention(qkv[:, 0], qkv[:, 1], None, cu, cu, 5, 5)
 
 
 def test_efficient_shared_gradient_storage_is_returned_without_a_copy():
     T, H, K = 5, 2, 8
     chunk = torch.randn(1, T, 3, H, K)
     dq, dk, dv = chunk.select(2, 0), chunk.select(2, 1), chunk.select(2, 2)  # what aten allocates
-    dqkv = GA._dqkv_from_shared(dq, dk, dv)
+    dqkv = flash._dqkv_from_shared(dq, dk, dv)
     assert dqkv.shape == (T, 3, H, K) and dqkv.data_ptr() == chunk.data_ptr()
     torch.testing.assert_close(dqkv, chunk[0], atol=0, rtol=0)
     apart = [t.clone() for t in (dq, dk, dv)]  # separate tensors: one stack
-    stacked = GA._dqkv_from_shared(*apart)
+    stacked = flash._dqkv_from_shared(*apart)
     assert stacked.data_ptr() != chunk.data_ptr()
     torch.testing.assert_close(stacked, chunk[0], atol=0, rtol=0)
 

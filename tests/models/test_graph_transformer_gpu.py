@@ -1,18 +1,21 @@
 """Graph transformer on the GPU (`-m gpu`): the CPU file's equalities (tests/models/test_graph_transformer.py)
 on the CUDA path — fp32 equal to the padded SDPA model, bf16 within twice its error, gradients of every
-params leaf for each attention core, and the packed attention cores against the reference.
+params leaf for each graph_attention implementation (the auto route "triton>flash", torch's efficient
+and flash cores), and each implementation against the reference.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
 
 import packedenc as pe
 from packedenc.convert.gigl import gigl_key
-from packedenc.kernels import graph_attention as GA
-from packedenc.kernels import reference
-from packedenc.kernels.graph_attention import graph_attention as graph_attention_cuda
+from packedenc.kernels import flash, reference
+from packedenc.kernels.triton import attention_op as AT
 from packedenc.models.graph_transformer import encode
 from packedenc.models.graph_transformer import forward as FW
 from packedenc.pytree import named_leaves, tree_map
@@ -32,23 +35,32 @@ def test_gpu_fp32_equals_padded_and_bf16_within_twice_padded_error(name):
         ref16, _ = padded_forward(padded_model(cfg, p, torch.bfloat16, dev), xc.bfloat16(), cuc, kwc)
         out32 = encode(pc, xc, cuc, **kwc)
         out16 = encode(pe.tree_cast(pc, torch.bfloat16), xc, cuc, **kwc)
-    assert dict(pe.get_ops("auto", dev).chosen)["graph_attention"] == "flash"
+    assert dict(pe.get_ops("auto", dev).chosen)["graph_attention"] == "triton>flash"
     torch.testing.assert_close(out32, ref32, atol=1e-4, rtol=1e-4)
     err16 = (out16.float() - ref32).abs().max()
     err_pad16 = (ref16.float() - ref32).abs().max()
     assert err16 <= 2 * err_pad16 + 1e-3, (err16, err_pad16)
 
 
+def _table(attn: str):
+    """The auto table with graph_attention served by `attn`: "auto" (triton>flash: the Triton
+    kernel for full bf16 layers, torch's efficient kernel for the anchor-only layer and fp32),
+    "efficient" or "flash" (torch's kernels for every layer)."""
+    ops = pe.get_ops("auto", "cuda")
+    if attn == "auto":
+        return ops
+    return dataclasses.replace(ops, graph_attention=functools.partial(flash.graph_attention, core=attn))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,core,recompute", [
-    (torch.float32, "efficient", False), (torch.bfloat16, "triton", False), (torch.bfloat16, "efficient", False),
+@pytest.mark.parametrize("dtype,attn,recompute", [
+    (torch.float32, "auto", False), (torch.bfloat16, "auto", False), (torch.bfloat16, "efficient", False),
     (torch.bfloat16, "flash", False),
     # the FFN recompute (act(u + b) and its dbias again in the backward), fp32 and bf16
-    (torch.float32, "efficient", True), (torch.bfloat16, "triton", True),
+    (torch.float32, "auto", True), (torch.bfloat16, "auto", True),
 ])
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2"])
-def test_gpu_gradients_match_padded(name, dtype, core, recompute, monkeypatch):
-    monkeypatch.setattr(GA, "LOWP_CORE", core)
+def test_gpu_gradients_match_padded(name, dtype, attn, recompute, monkeypatch):
     monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", recompute)
     cfg, p = make(name)
     x, cu, kw = inputs(cfg, lengths=[1, 40, 3, 128, 7])
@@ -64,7 +76,7 @@ def test_gpu_gradients_match_padded(name, dtype, core, recompute, monkeypatch):
     ref32 = padded_grads(torch.float32)
     ref_lowp = padded_grads(dtype)
     pc = tree_map(lambda t: t.to(dev, dtype).requires_grad_(), p)
-    (encode(pc, x, cu, **kw).float() * w).sum().backward()
+    (encode(pc, x, cu, **kw, backend=_table(attn)).float() * w).sum().backward()
     # Some gradients are exactly zero in exact arithmetic (a key-projection bias shifts every score
     # of a query equally, and softmax ignores that): what remains is the rounding noise of a sum of
     # cancelling bf16 terms, judged against one bf16 unit roundoff (2^-8) of the scale of the
@@ -82,12 +94,18 @@ def test_gpu_gradients_match_padded(name, dtype, core, recompute, monkeypatch):
             assert err <= 2 * err_pad + atol, (path, float(err), float(err_pad))
 
 
+_IMPLS = {"triton": AT.graph_attention, "efficient": flash.graph_attention,
+          "flash": functools.partial(flash.graph_attention, core="flash")}
+# every implementation on the inputs it takes: the Triton entry full fused bf16 layers only
+_CASES = [(impl, dtype, layout, bias)
+          for impl in _IMPLS for dtype in (torch.float32, torch.bfloat16)
+          for layout in ("fused", "separate", "anchors_only") for bias in (False, True)
+          if impl != "triton" or (dtype == torch.bfloat16 and layout == "fused")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("core", GA.CORES)  # fp32 and separate q / k / v run "efficient" whatever is asked
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["fused", "separate", "anchors_only"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gpu_graph_attention_equals_reference(core, dtype, layout, bias):
+@pytest.mark.parametrize("impl,dtype,layout,bias", _CASES)
+def test_gpu_graph_attention_equals_reference(impl, dtype, layout, bias):
     dev = "cuda"
     lengths = torch.tensor([1, 90, 3, 256, 17, 1, 64])
     cu = torch.zeros(8, dtype=torch.int32, device=dev)
@@ -115,7 +133,7 @@ def test_gpu_graph_attention_equals_reference(core, dtype, layout, bias):
 
     want, want_d = run(reference.graph_attention, torch.float32)
     ref_lowp, ref_lowp_d = run(reference.graph_attention, dtype)
-    got, got_d = run(lambda *a: graph_attention_cuda(*a, core=core), dtype)
+    got, got_d = run(_IMPLS[impl], dtype)
     err, err_ref = (got - want).abs().max(), (ref_lowp - want).abs().max()
     assert err <= 2 * err_ref + 5e-5, (err, err_ref)
     for d, r, rl in zip(got_d, want_d, ref_lowp_d):
@@ -129,7 +147,7 @@ def test_gpu_efficient_core_fused_gradient_equals_aten_backward():
     dev = "cuda"
     cu = torch.tensor([0, 5, 40, 41], dtype=torch.int32, device=dev)
     qkv = torch.randn(41, 3, 4, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    out = GA.efficient_qkv_attention(qkv, cu, 35, 64**-0.5)
+    out = flash.efficient_qkv_attention(qkv, cu, 35, 64**-0.5)
     captured = {}
     qkv.register_hook(lambda gr: captured.setdefault("g", gr))
     out.float().sum().backward()

@@ -4,7 +4,8 @@ One file per fused op: `layer_norm.py` (layer_norm, add_layer_norm, embed_layer_
 `rotary.py`, `glu.py`, `activation.py`, `cross_entropy.py` (linear_cross_entropy),
 `deberta_attention.py` (slots in `deberta_slots.py`, a tile's position terms in `deberta_scores.py`,
 the backward in `deberta_attention_bwd.py` and `deberta_bwd_onepass.py`), `attention.py` (packed
-varlen attention, forward only: FA2 where gradients are needed). Each op is a `torch.library`
+varlen attention: forward kernel and tiles; `attention_bwd.py` the backward, `attention_op.py` the
+registered op and the varlen_attention / graph_attention entries). Each op is a `torch.library`
 custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
 registered), and the functions registered here have the reference signatures, so the table calls
 either interchangeably.
@@ -12,7 +13,7 @@ either interchangeably.
 
 from packedenc.kernels import register_impl
 from packedenc.kernels.triton import (
-    activation, attention, cross_entropy, deberta_attention, glu, layer_norm, rotary,
+    activation, attention_op, cross_entropy, deberta_attention, glu, layer_norm, rotary,
 )
 from packedenc.kernels.triton import graph_readout
 
@@ -24,8 +25,10 @@ for _name, _fn in (
     ("glu", glu.glu),
     ("activation", activation.activation),
     ("deberta_attention", deberta_attention.deberta_attention),
-    ("varlen_attention", attention.varlen_attention),  # forward kernel where it wins, else FA2
+    ("varlen_attention", attention_op.varlen_attention),  # forward and backward, every input
     ("linear_cross_entropy", cross_entropy.linear_cross_entropy),  # GEMM + in-place loss/grad kernel
     ("graph_readout", graph_readout.graph_readout),  # graph transformer readout, a program per sequence
 ):
     register_impl("triton", _name, _fn)
+# full layers' fused fp16 / bf16 qkv only: the op table routes the rest (kernels/__init__.py)
+register_impl("triton", "graph_attention", attention_op.graph_attention, covers=attention_op.covers_graph)

@@ -1,0 +1,219 @@
+"""Packed varlen attention in Triton: the backward (dQ pass, then dK/dV pass), token-block tiles.
+
+Shapes: T packed tokens, S sequences, H heads, K head dim; M query rows, N key rows of a tile.
+
+The usual split (FA2's, without its atomics, so the result is deterministic), on the forward's
+token-block grids (`attention._spans`, see attention.py): a program owns a block of consecutive
+packed rows whatever sequence they belong to, loops over the one contiguous range of rows its
+rows see on the other side, masks per element only the tiles that cross some row's bound, and
+skips everything outside the window's band. Both passes read the forward's LSE2 (the softmax
+statistics), so P = exp2(scale * log2(e) * q.k - LSE2) is recomputed exactly, with no max pass.
+
+- `_dq_kernel`, one program per (query block, head): delta = rowsum(dO * O) for its rows (the
+  usual preprocess, fused here: the pass reads dO anyway), stored (H, T) fp32 for the next
+  kernel; then dq = scale * sum_j dS_ij k_j over its key range, dS = P * (dO v^T - delta).
+- `_dkdv_kernel`, one program per (key block, head), launched after the dQ kernel (same stream,
+  so delta is written): key j is seen by the queries [max(start, j - right), min(end, j + left + 1))
+  (the window mirrored: `_spans` with left and right swapped); dv = sum_i P_ij dO_i,
+  dk = scale * sum_i dS_ij q_i.
+P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from packedenc.kernels.triton._common import cdiv
+from packedenc.kernels.triton.attention import _spans, bwd_tiles, launch_args
+
+__all__ = ["attention_bwd"]
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh,
+              qk_scale, offs_n, offs_k, kmask, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              EVEN_K: tl.constexpr, PREC: tl.constexpr):
+    """dq += dS k over key tiles j_lo, j_lo + N, ... < j_hi (MASKED: per-row ranges [kl, kh))."""
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        cols = j0 + offs_n
+        c64 = cols.to(tl.int64)[:, None]
+        kp = K + c64 * s_k_t + h * s_k_h + offs_k[None, :]
+        vp = V + c64 * s_v_t + h * s_v_h + offs_k[None, :]
+        if MASKED:
+            cmask = (cols < blk_hi)[:, None] & kmask[None, :]
+            k = tl.load(kp, mask=cmask, other=0.0)
+            v = tl.load(vp, mask=cmask, other=0.0)
+        elif EVEN_K:
+            k = tl.load(kp)
+            v = tl.load(vp)
+        else:
+            k = tl.load(kp, mask=kmask[None, :], other=0.0)
+            v = tl.load(vp, mask=kmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        x = s * qk_scale - lse[:, None]
+        if MASKED:  # before exp2: another sequence's score may overflow it
+            keep = (cols[None, :] >= kl[:, None]) & (cols[None, :] < kh[:, None])
+            x = tl.where(keep, x, float("-inf"))
+        p = tl.exp2(x)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
+def _dq_kernel(
+    Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
+    LSE,  # (H, T) fp32: the forward's log2-sum-exp2
+    DELTA,  # (H, T) fp32 out: rowsum(dO * O)
+    DQ,  # (T, H, K) out (may be a slot of a (T, 3, H, K) gradient)
+    CU, T, S, n_steps, left, right,  # as in the forward
+    qk_scale, sm_scale,  # scale * log2(e), scale
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
+):
+    h = tl.program_id(1).to(tl.int64)
+    rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
+        CU, tl.program_id(0), T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < HEAD_DIM
+    r64 = rows.to(tl.int64)[:, None]
+    mask2 = in_t[:, None] & kmask[None, :]
+    q = tl.load(Q + r64 * s_q_t + h * s_q_h + offs_k[None, :], mask=mask2, other=0.0)
+    do = tl.load(DO + r64 * s_do_t + h * s_do_h + offs_k[None, :], mask=mask2, other=0.0)
+    o = tl.load(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], mask=mask2, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + h * T + rows, delta, mask=in_t)
+    lse = tl.load(LSE + h * T + rows, mask=in_t, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi, kl, kh,
+                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi, kl, kh,
+                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi, kl, kh,
+                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC)
+    dq = tl.where(valid[:, None], dq * sm_scale, 0.0)
+    tl.store(DQ + r64 * s_dq_t + h * s_dq_h + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=mask2)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi, blk_hi,
+                ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_K: tl.constexpr, PREC: tl.constexpr):
+    """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
+    for i0 in range(i_lo, i_hi, BLOCK_M):
+        rows = i0 + offs_m
+        r64 = rows.to(tl.int64)[:, None]
+        qp = Q + r64 * s_q_t + h * s_q_h + offs_k[None, :]
+        dop = DO + r64 * s_do_t + h * s_do_h + offs_k[None, :]
+        if MASKED:
+            rm = rows < blk_hi
+            rmask = rm[:, None] & kmask[None, :]
+            q = tl.load(qp, mask=rmask, other=0.0)
+            do = tl.load(dop, mask=rmask, other=0.0)
+            lse = tl.load(LSE + h * T + rows, mask=rm, other=0.0)
+            delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
+        else:
+            if EVEN_K:
+                q = tl.load(qp)
+                do = tl.load(dop)
+            else:
+                q = tl.load(qp, mask=kmask[None, :], other=0.0)
+                do = tl.load(dop, mask=kmask[None, :], other=0.0)
+            lse = tl.load(LSE + h * T + rows)
+            delta = tl.load(DELTA + h * T + rows)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
+        x_t = s_t * qk_scale - lse[None, :]
+        if MASKED:
+            keep = (rows[None, :] >= ql[:, None]) & (rows[None, :] < qh[:, None])
+            x_t = tl.where(keep, x_t, float("-inf"))
+        p_t = tl.exp2(x_t)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
+def _dkdv_kernel(
+    Q, K, V, DO,  # (T, H, K) views, head dim contiguous
+    LSE, DELTA,  # (H, T) fp32: the forward's log2-sum-exp2; rowsum(dO * O) from _dq_kernel
+    DK, DV,  # (T, H, K) out (may be slots of a (T, 3, H, K) gradient)
+    CU, T, S, n_steps, left, right,
+    qk_scale, sm_scale,
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
+):
+    h = tl.program_id(1).to(tl.int64)
+    # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
+    cols, in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
+        CU, tl.program_id(0), T, S, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < HEAD_DIM
+    c64 = cols.to(tl.int64)[:, None]
+    mask2 = in_t[:, None] & kmask[None, :]
+    k = tl.load(K + c64 * s_k_t + h * s_k_h + offs_k[None, :], mask=mask2, other=0.0)
+    v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, blk_lo, mid_lo,
+                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, mid_lo, mid_hi,
+                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False, HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, mid_hi, blk_hi,
+                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, HEAD_DIM == BLOCK_K, PREC)
+    dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
+    dv = tl.where(valid[:, None], dv, 0.0)
+    tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
+    tl.store(DV + c64 * s_dv_t + h * s_dv_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=mask2)
+
+
+def attention_bwd(
+    do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
+    cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
+    grads: tuple[Tensor, Tensor, Tensor] | None = None, *, tiles=None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward: (dq, dk, dv), each (T, H, K) in q's dtype.
+
+    `grads`: three (T, H, K) views to write (e.g. the slots of one (T, 3, H, K) tensor, the
+    gradient of a fused qkv buffer); by default the three slabs of one (3, T, H, K) tensor.
+    `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
+    `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
+    """
+    T, H, Kd = q_THK.shape
+    if grads is None:
+        grads = torch.empty((3, T, H, Kd), dtype=q_THK.dtype, device=q_THK.device).unbind(0)
+    dq, dk, dv = grads
+    S, n_steps, left, right, qk_scale, meta = launch_args(q_THK, cu_seqlens, window, scale)
+    if T == 0 or S <= 0:
+        for g in grads:
+            g.zero_()
+        return dq, dk, dv
+    do = do_THK
+    if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
+        do = do.contiguous()
+    delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
+    (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
+    common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, scale)
+    _dq_kernel[(cdiv(T, qm), H)](
+        q_THK, k_THK, v_THK, o_THK, do, lse2_HT, delta, dq, *common,
+        q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
+        o_THK.stride(0), o_THK.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **meta,
+    )
+    _dkdv_kernel[(cdiv(T, kn), H)](
+        q_THK, k_THK, v_THK, do, lse2_HT, delta, dk, dv, *common,
+        q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        BLOCK_N=kn, BLOCK_M=km, num_warps=kw, num_stages=ks, **meta,
+    )
+    return dq, dk, dv
