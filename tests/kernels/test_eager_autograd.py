@@ -10,7 +10,9 @@ entries take this path in eager training; outputs and every gradient equal the r
 import pytest
 import torch
 
-from packedenc.kernels.triton import _common, activation, cross_entropy, glu, graph_readout, layer_norm, rotary
+from packedenc.kernels.triton import (
+    _common, activation, attention_op, cross_entropy, glu, graph_readout, layer_norm, rotary,
+)
 from tests.kernels._assert import CPU_LENGTHS, DEVICE, cu_seqlens, positions
 
 
@@ -50,10 +52,14 @@ def _cases(dtype=torch.float32, device=DEVICE):
          (r(T, D), r(30, D), r(30), targets), (0,)),
         ("graph_readout", graph_readout._readout_eager, torch.ops.packedenc.graph_readout,
          (r(T, D), r(1, 2 * D), r(1), cu, max(CPU_LENGTHS)), (0,)),
+        ("varlen_attention", attention_op._fwd_eager, torch.ops.packedenc.triton_varlen_attention,
+         (r(T, H, K), r(T, H, K), r(T, H, K), cu, max(CPU_LENGTHS), 2, 2, K**-0.5, True), (0,)),
+        ("varlen_attention_fused", attention_op._fwd_eager, torch.ops.packedenc.triton_varlen_attention,
+         (r(T, 3, H, K), None, None, cu, max(CPU_LENGTHS), -1, -1, 0.3, True), (0,)),
     ]
 
 
-@pytest.mark.parametrize("i", range(10))
+@pytest.mark.parametrize("i", range(12))
 def test_eager_autograd_equals_the_registered_op(i):
     name, eager, op, args, outputs = _cases()[i]
     got_out, got_grads = _run(eager, _leaves(*args), outputs)

@@ -11,8 +11,9 @@ kernels of attention.py / attention_bwd.py, forward and backward. The forward wr
 statistics (LSE2) only when autograd will need them.
 
 Eager CUDA inference skips the op (`direct_launch`: the dispatcher costs tens of microseconds per
-call, which decides short batches); everything else (autograd, torch.compile, the CPU) goes
-through it, and its backward is always the Triton dQ and dK/dV kernels.
+call, which decides short batches), and eager CUDA training runs it as an autograd.Function around
+the same launchers (`eager_autograd`); torch.compile, functorch and the CPU go through the op. The
+backward is always the Triton dQ and dK/dV kernels.
 
 Entries (reference signatures): `varlen_attention` (every input it is given, or a clear error:
 there is no hand-off to another library) and `graph_attention` for the inputs `covers_graph`
@@ -28,7 +29,7 @@ from packedenc.errors import InputError
 from packedenc.kernels import reference
 from packedenc.kernels.graph_attention import fold_key_bias_qkv
 from packedenc.kernels.reference import backward as reference_bwd
-from packedenc.kernels.triton._common import direct_launch
+from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
 from packedenc.kernels.triton.attention import MAX_HEAD_DIM, attention_fwd
 from packedenc.kernels.triton.attention_bwd import attention_bwd
 
@@ -54,7 +55,7 @@ def _fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens: Tensor, max_
 
 
 @_fwd.register_kernel("cuda")
-def _(q, k, v, cu_seqlens, max_seqlen, left, right, scale, lse):
+def _fwd_cuda(q, k, v, cu_seqlens, max_seqlen, left, right, scale, lse):
     out, lse2 = attention_fwd(*_split(q, k, v), cu_seqlens, max_seqlen, (left, right), scale, lse=lse)
     return out, lse2 if lse else q.new_empty((0,), dtype=torch.float32)
 
@@ -74,7 +75,7 @@ def _bwd(do: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, out: Tensor,
 
 
 @_bwd.register_kernel("cuda")
-def _(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale):
+def _bwd_cuda(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale):
     qs = _split(q, k, v)
     T, H, K = qs[0].shape
     g = q.new_empty((T, 3, H, K) if k is None else (3, T, H, K))
@@ -100,13 +101,14 @@ def _backward(ctx, dout, _dlse):
     q, k, v, out, lse2, cu_seqlens = ctx.saved_tensors
     max_seqlen, left, right, scale, lse = ctx.args
     assert lse, "triton_varlen_attention: the forward was run without lse=True, so it has no backward"
-    g = torch.ops.packedenc.triton_varlen_attention_bwd(dout, q, k, v, out, lse2, cu_seqlens, max_seqlen,
-                                                        left, right, scale)
+    g = launch_or_op(_bwd_cuda, torch.ops.packedenc.triton_varlen_attention_bwd, dout, q, k, v, out, lse2,
+                     cu_seqlens, max_seqlen, left, right, scale)
     grads = (g, None, None) if k is None else g.unbind(0)
     return (*grads, None, None, None, None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
+_fwd_eager = eager_autograd(_fwd_cuda, _setup, _backward)
 
 
 # ---- checks and the entries ----------------------------------------------------------------------
@@ -152,6 +154,8 @@ def attention(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens: Tensor,
     if direct_launch(q, k, v):
         return attention_fwd(*_split(q, k, v), cu_seqlens, max_seqlen, (left, right), scale, lse=False)[0]
     need = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
+    if eager_cuda(q, k, v):  # eager training: the same kernels without the custom-op dispatcher
+        return _fwd_eager(q, k, v, cu_seqlens, max_seqlen, left, right, scale, need)[0]
     return torch.ops.packedenc.triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, left, right, scale, need)[0]
 
 
