@@ -169,19 +169,16 @@ def _fwd_kernel(
 
 # ---- tiles ---------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), from host values only. Forward rows: the H200 sweep at
-# H=12, K=64 of the forward-only kernel (benchmarks/results/attention_sweep_h200.txt). Backward
-# rows: dQ is (query rows owned, key tile), dK/dV (key rows owned, query tile); 64 x 32 on 4 warps
-# is what the graph transformer's short sequences (median ~90) measured best for both backward
-# kernels (1.63 vs 2.30 ms fwd+bwd with 8 warps); the long rows follow Triton's Hopper attention
-# tutorial (128 owned rows, 32-row inner tiles) until `python -m benchmarks.attention --sweep`
-# places them.
-# Each row: (forward, dQ, dK/dV) tiles; the case and why after it.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), from host values only; each row is (forward, dQ,
+# dK/dV), where dQ tiles are (query rows owned, key tile) and dK/dV tiles (key rows owned, query
+# tile). All from the H200 sweeps at H=12, K=64 (`python -m benchmarks attention --sweep`, records
+# in benchmarks/results/attention_h200.json): the backward of long and mid-length sequences is
+# fastest with 64 owned rows on 4 warps (128 rows on 8 warps: doc-64k dK/dV 2.63 vs 2.22 ms).
 TILE_WIDE = ((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))  # head dim > 128: registers for M x 256
-TILE_WINDOW = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # local: 0.90-0.95x the fwd time of 64x64
+TILE_WINDOW = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # local layers: every pass
 TILE_SHORT = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # global, max_seqlen <= 128 (query packs)
-TILE_MID = ((64, 64, 4, 3), (128, 32, 8, 3), (128, 32, 8, 3))  # global, T < 32k: more programs per wave
-TILE_LONG = ((128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3))  # global, T >= 32k, lengths 256..8k
+TILE_MID = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T < 32k: more programs per wave
+TILE_LONG = ((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T >= 32k, lengths 256..8k
 SHORT_SEQLEN = 128
 LONG_T = 32768
 
