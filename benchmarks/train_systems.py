@@ -1,4 +1,4 @@
-"""The contenders of `benchmarks.train`: one MLM optimizer step (forward + backward + AdamW) each.
+"""The contenders of the `train` family: one MLM optimizer step (forward + backward + AdamW) each.
 
 Every system holds fp32 master weights (the same host values for all of them) and an AdamW
 (fused on CUDA) over them; compute runs in `compute_dtype` (bf16 on a GPU, fp32 on the CPU smoke
@@ -21,28 +21,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import packedenc as pe
-from benchmarks.common import Batch, Workload, module_switches
+from benchmarks.common import Batch, System, Workload
 
 LR = 1e-5  # small: the timed steps should not drive random weights anywhere strange
 
 
 @dataclasses.dataclass
-class TrainBatch:
+class TrainBatch(Batch):
     """One MLM batch on the host: packed masked ids plus which rows to predict."""
 
-    ids: Tensor  # (T,) int64, after masking
-    cu_seqlens: Tensor  # (S+1,) int32
-    max_seqlen: int
     positions: Tensor  # (M,) int64 packed rows to predict
     targets: Tensor  # (M,) int64 original ids there
 
-    @property
-    def num_tokens(self) -> int:
-        return self.ids.numel()
-
-    def padded(self, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    def padded_rows(self, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """(input_ids (S, L), attention_mask (S, L), rows (M,) of the masked tokens in the flat S*L grid)."""
-        ids_SL, mask_SL = Batch(self.ids, self.cu_seqlens, self.max_seqlen).padded(pad_id)
+        ids_SL, mask_SL = self.padded(pad_id)
         seq_M = torch.searchsorted(self.cu_seqlens[1:].long(), self.positions, right=True)
         within_M = self.positions - self.cu_seqlens[:-1].long()[seq_M]
         return ids_SL, mask_SL, seq_M * self.max_seqlen + within_M
@@ -57,6 +50,20 @@ def mlm_batch(batch: Batch, mask_id: int, vocab_size: int, prob: float, seed: in
     return TrainBatch(ids, batch.cu_seqlens, batch.max_seqlen, pos, tgt)
 
 
+@dataclasses.dataclass
+class MaskedWorkload(Workload):
+    """A workload whose batches come masked (`mlm_batch`), seeded by the batch's first sequence, so
+    every system sees the same masks."""
+
+    mask_id: int = 0
+    vocab_size: int = 0
+    prob: float = 0.15
+
+    def batch_of(self, idx: Any) -> TrainBatch:
+        b = super().batch_of(idx)
+        return mlm_batch(b, self.mask_id, self.vocab_size, self.prob, seed=1000 + idx[0])
+
+
 def _trainable(host_params: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t.detach().to(device, copy=True).requires_grad_(True), host_params)
 
@@ -65,45 +72,60 @@ def _adamw(leaves: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(leaves, lr=LR, weight_decay=0.01, fused=leaves[0].is_cuda)
 
 
-class TrainSystem:
+class TrainSystem(System):
     """One contender: `setup` builds weights + optimizer, `prepare` stages a batch, `token_losses`
-    is the forward, `step` one optimizer step. `absent` (set before setup) records the system as
-    absent instead of running it (an optional package not installed)."""
+    is the forward (the probe), `run` one optimizer step. Each workload's record gets the loss of
+    its first and last step (`extras`), which must be finite."""
 
-    name = "system"
-    absent: str | None = None
-    optional = False  # run only when named in --systems
+    grad = True
     precision = "fp32 master weights, bf16 compute"
 
     def __init__(self, device: torch.device, compute_dtype: torch.dtype | None) -> None:
         self.device, self.compute = device, compute_dtype
         self.opt: torch.optim.Optimizer | None = None
-
-    def setup(self) -> None:
-        raise NotImplementedError
-
-    def skip_reason(self, workload: Workload) -> str | None:
-        return None
-
-    def prepare(self, batch: TrainBatch) -> Any:
-        raise NotImplementedError
+        self.losses: list[Tensor] = []
 
     def token_losses(self, inputs: Any) -> Tensor:
         """(M,) fp32 cross-entropy of each masked token."""
         raise NotImplementedError
 
-    def step(self, inputs: Any) -> Tensor:
+    def probe(self, inputs: Any) -> Tensor:
+        return self.token_losses(inputs)
+
+    def run(self, inputs: Any) -> Tensor:
         loss = self.token_losses(inputs).mean()
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        self.losses.append(loss.detach())
+        return self.losses[-1]
+
+    def extras(self) -> dict[str, Any]:
+        first, last = float(self.losses[0]), float(self.losses[-1])
+        self.losses = []
+        if last != last or last in (float("inf"), float("-inf")):
+            raise RuntimeError(f"the training loss is not finite ({last})")
+        return {"first_loss": first, "last_loss": last}
 
     def info(self) -> dict[str, Any]:
-        return {}
+        return {"precision": self.precision}
 
     def close(self) -> None:
         self.opt = None
+        self.losses = []
+
+
+class GraphedStepTrain(TrainSystem):
+    """`packedenc+graphs`: packedenc's graphed training step (forward, backward and AdamW replayed
+    from one CUDA graph per bucket, issue 19).
+
+    HOOK: packedenc has no graphed training step yet. When the library grows one, build it in
+    `setup` from `PackedencTrain`'s loss and optimizer, replay it in `run`, and drop `absent`;
+    until then every workload is recorded absent, so the records and targets show the gap.
+    """
+
+    name = "packedenc+graphs"
+    absent = "packedenc has no graphed training step yet (issue 19; hook: train_systems.GraphedStepTrain)"
 
 
 # ---- packed systems -----------------------------------------------------------------------------
@@ -113,19 +135,11 @@ class PackedencTrain(TrainSystem):
     """`pe.encode` + `pe.losses.mlm_token_losses` on the masked rows, one `tree_cast` per step."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 backend: str = "auto", checkpoint: bool = False, switches: dict[str, Any] | None = None) -> None:
+                 backend: str = "auto", checkpoint: bool = False) -> None:
         super().__init__(device, compute_dtype)
         self.name, self.host_params, self.backend, self.checkpoint = name, host_params, backend, checkpoint
         self.optional = checkpoint  # the memory / speed trade-off, on request
-        # module-level kernel choices of `deberta_attention_bwd` set for this system's steps (a variant)
-        self.switches = switches or {}
         self.params: Any = None
-
-    def step(self, inputs: Any) -> Tensor:
-        from packedenc.kernels.triton import deberta_attention_bwd as db
-
-        with module_switches({k: db for k in self.switches}, self.switches):
-            return super().step(inputs)
 
     def setup(self) -> None:
         self.params = _trainable(self.host_params, self.device)
@@ -149,7 +163,7 @@ class PackedencTrain(TrainSystem):
 
     def info(self) -> dict[str, Any]:
         ops = pe.get_ops(self.backend, self.device)
-        return {"ops": ",".join(f"{op}={b}" for op, b in ops.chosen), "checkpoint": self.checkpoint}
+        return {**super().info(), "ops": ",".join(f"{op}={b}" for op, b in ops.chosen), "checkpoint": self.checkpoint}
 
     def close(self) -> None:
         self.params = None
@@ -170,7 +184,6 @@ class TorchPackedTrain(PackedencTrain):
 
     def token_losses(self, inputs: tuple[Any, ...]) -> Tensor:
         from benchmarks import baseline_modernbert
-        from packedenc.kernels.reference import activation
         from packedenc.packing import positions_from_cu_seqlens
 
         ids, cu, max_seqlen, pos, tgt = inputs
@@ -180,13 +193,14 @@ class TorchPackedTrain(PackedencTrain):
         h_TD = baseline_modernbert.encode(state, ids, cu, max_seqlen, positions_from_cu_seqlens(cu, ids.numel()))
         h_MD = h_TD.index_select(0, pos)
         d, n = p.head.dense, p.head.norm
-        a_MD = F.layer_norm(activation(F.linear(h_MD, d.weight, d.bias), cfg.classifier_activation),
+        act = pe.get_ops("reference").activation  # the plain-torch activation by HF name
+        a_MD = F.layer_norm(act(F.linear(h_MD, d.weight, d.bias), cfg.classifier_activation),
                             (cfg.hidden_size,), n.weight, n.bias, cfg.norm_eps)
         w = p.embeddings.tok_embeddings.weight if p.decoder.weight is None else p.decoder.weight
         return F.cross_entropy(F.linear(a_MD, w, p.decoder.bias).float(), tgt, reduction="none")
 
     def info(self) -> dict[str, Any]:
-        return {}
+        return {"precision": self.precision}
 
     def close(self) -> None:
         self.rope = None
@@ -259,7 +273,7 @@ class HFTrain(TrainSystem):
         return "token-budget packs are for packed systems (HF pads every batch)" if workload.budget else None
 
     def prepare(self, b: TrainBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        ids, mask, rows = b.padded(self.pad_id)
+        ids, mask, rows = b.padded_rows(self.pad_id)
         d = self.device
         return ids.to(d), mask.to(d), rows.to(d), b.targets.to(d)
 
@@ -271,7 +285,7 @@ class HFTrain(TrainSystem):
         return F.cross_entropy(logits_MV.float(), tgt, reduction="none")
 
     def info(self) -> dict[str, Any]:
-        return {"attn_implementation": self.attn}
+        return {**super().info(), "attn_implementation": self.attn}
 
     def close(self) -> None:
         self.model = self.backbone = self.head = None
@@ -295,9 +309,9 @@ class DisentangledFlashTrain(HFTrain):
         super().__init__(name, host_params, device, compute_dtype, attn="eager", **kw)
         version = disentangled_flash_version()
         if version is None:
-            self.absent = "absent (pip install disentangled-flash==1.1.1)"
+            self.absent = "not installed (pip install disentangled-flash==1.1.1)"
         elif device.type != "cuda":
-            self.absent = "absent on the CPU (its training path is Triton on CUDA)"
+            self.absent = "not on the CPU (its training path is Triton on CUDA)"
 
     def build(self) -> torch.nn.Module:
         from disentangled_flash import optimize_deberta
@@ -311,7 +325,7 @@ class DisentangledFlashTrain(HFTrain):
         return model.train()
 
     def info(self) -> dict[str, Any]:
-        return {"disentangled_flash": disentangled_flash_version()}
+        return {**super().info(), "disentangled_flash": disentangled_flash_version()}
 
 
 class DisentangledFlashPackedTrain(DisentangledFlashTrain):
