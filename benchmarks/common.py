@@ -178,6 +178,7 @@ class System:
     name = "system"
     optional = False  # run only when named in --systems
     grad = False  # runs autograd (training): no inference_mode around it
+    warmup_passes = 1  # untimed runs of every timed input (more where a graph is captured on a later use)
     absent: str | None = None  # why it cannot run here (an optional package is not installed)
 
     def setup(self) -> None:
@@ -280,7 +281,7 @@ def _run_one(system: System, w: Workload, cfg: BenchConfig, run: Run, tag: str,
         with _mode(system):
             inputs = {i: system.prepare(w.batch(i)) for i in sorted({i for r in reps for i in r})}
             t0 = time.perf_counter()
-            for x in inputs.values():  # warm-up: every timed input once (compile, autotune, capture)
+            for x in [*inputs.values()] * system.warmup_passes:  # warm-up: compile, autotune, capture
                 system.run(x)
             sync(dev)
             warm_s = time.perf_counter() - t0

@@ -16,8 +16,8 @@ Workloads (`benchmarks/workloads.py`): ModernBERT-base on `doc` (batches of 32 s
 `doc-64k` (the doc sequences in token-budget packs; packed systems only); DeBERTa-v3-base on
 `doc1k` (batches of 16) and `doc1k-64k`.
 
-Systems: `packedenc` (the eager step, backend auto), `packedenc+graphs` (the graphed step: a hook,
-recorded absent until packedenc has one), `torch-packed` (plain torch through autograd, torch's
+Systems: `packedenc` (the eager step, backend auto), `packedenc+graphs` (the same step through
+`packedenc.cudagraphs.graphed_step`; absent where packedenc has none), `torch-packed` (plain torch through autograd, torch's
 flash varlen backward), `hf-sdpa` / `hf-eager` (transformers, dynamic padding),
 `disentangled-flash` (padded) and `disentangled-flash-packed` (recorded absent when not installed),
 `packedenc+checkpoint` (per-layer recompute; only when named). Probe: before any step, each
@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import cli, common
+from benchmarks import train_peers as tp
 from benchmarks import train_systems as ts
 from benchmarks.common import WorkloadSpec
 from benchmarks.records import Run, rate_cell
@@ -71,18 +72,18 @@ def _params(family: str) -> Callable[[bool], Any]:
 
 def _modernbert_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:
     pad = host.config.pad_token_id or 0
-    return [ts.PackedencTrain("packedenc", host, device, dt), ts.GraphedStepTrain(device, dt),
+    return [ts.PackedencTrain("packedenc", host, device, dt), ts.GraphedStepTrain(host, device, dt),
             ts.TorchPackedTrain("torch-packed", host, device, dt),
-            ts.HFTrain("hf-sdpa", host, device, dt, attn="sdpa", pad_id=pad),
+            tp.HFTrain("hf-sdpa", host, device, dt, attn="sdpa", pad_id=pad),
             ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True)]
 
 
 def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:
     pad = host.config.pad_token_id or 0
-    return [ts.PackedencTrain("packedenc", host, device, dt), ts.GraphedStepTrain(device, dt),
-            ts.HFTrain("hf-eager", host, device, dt, attn="eager", pad_id=pad),
-            ts.DisentangledFlashTrain("disentangled-flash", host, device, dt, pad_id=pad),
-            ts.DisentangledFlashPackedTrain("disentangled-flash-packed", host, device, dt, pad_id=pad),
+    return [ts.PackedencTrain("packedenc", host, device, dt), ts.GraphedStepTrain(host, device, dt),
+            tp.HFTrain("hf-eager", host, device, dt, attn="eager", pad_id=pad),
+            tp.DisentangledFlashTrain("disentangled-flash", host, device, dt, pad_id=pad),
+            tp.DisentangledFlashPackedTrain("disentangled-flash-packed", host, device, dt, pad_id=pad),
             ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True)]
 
 

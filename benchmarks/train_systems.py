@@ -14,7 +14,7 @@ Shapes: T packed tokens, S sequences, L padded length, D hidden, M masked tokens
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,7 @@ def _trainable(host_params: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t.detach().to(device, copy=True).requires_grad_(True), host_params)
 
 
-def _adamw(leaves: list[Tensor]) -> torch.optim.Optimizer:
+def adamw(leaves: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(leaves, lr=LR, weight_decay=0.01, fused=leaves[0].is_cuda)
 
 
@@ -115,19 +115,6 @@ class TrainSystem(System):
         self.losses = []
 
 
-class GraphedStepTrain(TrainSystem):
-    """`packedenc+graphs`: packedenc's graphed training step (forward, backward and AdamW replayed
-    from one CUDA graph per bucket, issue 19).
-
-    HOOK: packedenc has no graphed training step yet. When the library grows one, build it in
-    `setup` from `PackedencTrain`'s loss and optimizer, replay it in `run`, and drop `absent`;
-    until then every workload is recorded absent, so the records and targets show the gap.
-    """
-
-    name = "packedenc+graphs"
-    absent = "packedenc has no graphed training step yet (issue 19; hook: train_systems.GraphedStepTrain)"
-
-
 # ---- packed systems -----------------------------------------------------------------------------
 
 
@@ -143,7 +130,7 @@ class PackedencTrain(TrainSystem):
 
     def setup(self) -> None:
         self.params = _trainable(self.host_params, self.device)
-        self.opt = _adamw(torch.utils._pytree.tree_leaves(self.params))
+        self.opt = adamw(torch.utils._pytree.tree_leaves(self.params))
 
     def prepare(self, b: TrainBatch) -> tuple[Any, ...]:
         d = self.device
@@ -207,148 +194,69 @@ class TorchPackedTrain(PackedencTrain):
         super().close()
 
 
-# ---- Hugging Face systems (dynamic padding) ------------------------------------------------------
+class GraphedStepTrain(PackedencTrain):
+    """`packedenc+graphs`: the same MLM step built with `packedenc.train.make_step` (packedenc's
+    AdamW, torch.optim.AdamW's math) and replayed by `packedenc.cudagraphs.graphed_step`: per
+    bucket one CUDA graph for forward + backward and one for the update (on a CPU the same padded
+    phases run eagerly). Each workload gets its own graphed step, budgeted to its largest batch,
+    over the one training state. Recorded absent where packedenc has no graphed step."""
 
-
-def hf_model(host_params: Any, device: torch.device, attn: str) -> torch.nn.Module:
-    """The transformers *ForMaskedLM of `host_params`' family with exactly these weights, fp32, train mode."""
-    import transformers
-
-    from packedenc.convert.hf import to_state_dict
-
-    sd, cfg_dict = to_state_dict(host_params)
-    arch = {"modernbert": "ModernBertForMaskedLM", "deberta-v2": "DebertaV2ForMaskedLM"}[cfg_dict["model_type"]]
-    cls = getattr(transformers, arch)
-    hf_cfg = cls.config_class.from_dict(cfg_dict)
-    with torch.device(device):
-        model = cls._from_config(hf_cfg, attn_implementation=attn, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = {n for n in missing if any(n == k for k in _tied_names(model))}
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"HF {arch} keys differ: missing {sorted(set(missing) - tied)[:4]}, "
-                           f"unexpected {unexpected[:4]}")
-    return model.train()
-
-
-def _tied_names(model: torch.nn.Module) -> list[str]:
-    """Parameter names that share storage with another (tied decoder weights)."""
-    seen: dict[int, str] = {}
-    out = []
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            out.append(n)
-        seen.setdefault(id(p), n)
-    return out
-
-
-def hf_backbone_and_head(model: torch.nn.Module) -> tuple[Callable[..., Tensor], Callable[[Tensor], Tensor]]:
-    """(backbone(input_ids, attention_mask) -> (S, L, D), head(h_MD) -> (M, V)) of an HF *ForMaskedLM."""
-    if hasattr(model, "deberta"):
-        emb = model.deberta.embeddings.word_embeddings
-        head = model.cls if model.legacy else (lambda h: model.lm_predictions(h, emb))
-        return lambda **kw: model.deberta(**kw).last_hidden_state, head
-    return lambda **kw: model.model(**kw).last_hidden_state, lambda h: model.decoder(model.head(h))
-
-
-class HFTrain(TrainSystem):
-    """A transformers MLM model on right-padded batches (each padded to its longest sequence), fp32
-    weights under `torch.autocast(bf16)`; token-budget packs are skipped (HF pads every batch)."""
-
-    def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 *, attn: str, pad_id: int = 0) -> None:
-        super().__init__(device, compute_dtype)
-        self.name, self.host_params, self.attn, self.pad_id = name, host_params, attn, pad_id
-        self.model: Any = None
-        self.precision = "fp32 master weights, torch.autocast bf16" if compute_dtype else "fp32"
-
-    def build(self) -> torch.nn.Module:
-        return hf_model(self.host_params, self.device, self.attn)
+    def __init__(self, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None) -> None:
+        super().__init__("packedenc+graphs", host_params, device, compute_dtype)
+        try:
+            from packedenc.cudagraphs import graphed_step  # noqa: F401 - is it there?
+            from packedenc.train import make_step  # noqa: F401
+        except ImportError:
+            self.absent = "packedenc has no graphed training step here (packedenc.cudagraphs.graphed_step)"
+        self.jstep = self.state = self.fn = None
+        self._workload: str | None = None
+        self.warmup_passes = 3  # graphed_step runs a bucket's first 2 uses eagerly, captures on the 3rd
 
     def setup(self) -> None:
-        self.model = self.build()
-        self.backbone, self.head = hf_backbone_and_head(self.model)
-        self.opt = _adamw(list(self.model.parameters()))
+        from packedenc.train import AdamW, TrainState, make_step
+
+        self.params = pe.tree_to(self.host_params, self.device)  # fp32 master weights, owned by the state
+        self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01))
+        self.state = TrainState.create(self.params, self.fn.optimizer)
+
+    def _loss(self, params: Any, batch: dict[str, Any]) -> Tensor:
+        from packedenc.train.losses import mlm_loss
+
+        b = batch["text"]
+        p = params if self.compute is None else pe.tree_cast(params, self.compute)
+        h_TD = pe.encode(p, b.ids, b.cu_seqlens, b.max_seqlen, b.positions)
+        return mlm_loss(p, h_TD, batch["pos"], batch["tgt"])
 
     def skip_reason(self, workload: Workload) -> str | None:
-        return "token-budget packs are for packed systems (HF pads every batch)" if workload.budget else None
+        # asked first for every workload, before the memory counters reset: where its graphs start
+        if self.state is not None and workload.name != self._workload:
+            from packedenc.cudagraphs import Pad, graphed_step
 
-    def prepare(self, b: TrainBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        ids, mask, rows = b.padded_rows(self.pad_id)
+            self.jstep = None  # the previous workload's graphs and pool
+            tokens = max(workload.batch_tokens(i) for i in range(len(workload.batches)))
+            seqs = max(map(len, workload.batches))
+            self.jstep = graphed_step(self.fn, self.state, max_tokens=tokens, max_seqs=seqs,
+                                      pad={"pos": Pad("masked", 0), "tgt": Pad("masked", -100)})
+            self._workload = workload.name
+        return None
+
+    def prepare(self, b: TrainBatch) -> dict[str, Any]:
+        from packedenc.packing import Packed, positions_from_cu_seqlens
+
         d = self.device
-        return ids.to(d), mask.to(d), rows.to(d), b.targets.to(d)
+        pos_T = positions_from_cu_seqlens(b.cu_seqlens, b.num_tokens)
+        text = Packed(b.ids.to(d), b.cu_seqlens.to(d), pos_T.to(d), b.max_seqlen)
+        return {"text": text, "pos": b.positions.to(d), "tgt": b.targets.to(d)}
 
-    def token_losses(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
-        ids, mask, rows, tgt = inputs
-        with torch.autocast(self.device.type, dtype=self.compute or torch.float32, enabled=self.compute is not None):
-            h_SLD = self.backbone(input_ids=ids, attention_mask=mask)
-            logits_MV = self.head(h_SLD.reshape(-1, h_SLD.shape[-1]).index_select(0, rows))
-        return F.cross_entropy(logits_MV.float(), tgt, reduction="none")
+    def token_losses(self, inputs: dict[str, Any]) -> Tensor:
+        t = inputs["text"]
+        return super().token_losses((t.ids, t.cu_seqlens, t.max_seqlen, inputs["pos"], inputs["tgt"]))
 
-    def info(self) -> dict[str, Any]:
-        return {**super().info(), "attn_implementation": self.attn}
+    def run(self, inputs: dict[str, Any]) -> Tensor:
+        self.losses.append(self.jstep(inputs))
+        return self.losses[-1]
 
     def close(self) -> None:
-        self.model = self.backbone = self.head = None
+        self.jstep = self.state = self.fn = None
+        self._workload = None
         super().close()
-
-
-def disentangled_flash_version() -> str | None:
-    try:
-        import disentangled_flash
-    except ImportError:
-        return None
-    return getattr(disentangled_flash, "__version__", "unknown")
-
-
-class DisentangledFlashTrain(HFTrain):
-    """HF DeBERTa with DisentangledFlash's training path, `optimize_deberta(model.deberta,
-    inference=False)`, on the same padded batches as HF (its drop-in use)."""
-
-    def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 **kw: Any) -> None:
-        super().__init__(name, host_params, device, compute_dtype, attn="eager", **kw)
-        version = disentangled_flash_version()
-        if version is None:
-            self.absent = "not installed (pip install disentangled-flash==1.1.1)"
-        elif device.type != "cuda":
-            self.absent = "not on the CPU (its training path is Triton on CUDA)"
-
-    def build(self) -> torch.nn.Module:
-        from disentangled_flash import optimize_deberta
-
-        model = super().build()
-        optimize_deberta(model.deberta, inference=False)
-        enc = model.deberta.encoder
-        if type(enc).__name__ != "DebertaV2OptimizedEncoder" or getattr(enc, "backend", None) != "triton":
-            raise RuntimeError(f"DisentangledFlash kept {type(enc).__name__} (backend "
-                               f"{getattr(enc, 'backend', None)}): its Triton training path is not active")
-        return model.train()
-
-    def info(self) -> dict[str, Any]:
-        return {**super().info(), "disentangled_flash": disentangled_flash_version()}
-
-
-class DisentangledFlashPackedTrain(DisentangledFlashTrain):
-    """DisentangledFlash's packed training path (`encoder.forward_packed` over cu_seqlens) on the
-    packed batches and the 64k-token packs: HF embeddings on the packed ids, no padding anywhere."""
-
-    def skip_reason(self, workload: Workload) -> str | None:
-        return None
-
-    def prepare(self, b: TrainBatch) -> tuple[Any, ...]:
-        from disentangled_flash import PackedSequenceInfo
-
-        cu = b.cu_seqlens.tolist()
-        info = PackedSequenceInfo(tuple(cu), tuple(e - s for s, e in zip(cu, cu[1:])), b.max_seqlen)
-        d = self.device
-        return b.ids.to(d), b.cu_seqlens.to(d), info, b.positions.to(d), b.targets.to(d)
-
-    def token_losses(self, inputs: tuple[Any, ...]) -> Tensor:
-        ids, cu, info, pos, tgt = inputs
-        deb = self.model.deberta
-        with torch.autocast(self.device.type, dtype=self.compute or torch.float32, enabled=self.compute is not None):
-            h_TD = deb.embeddings(input_ids=ids[None])[0]  # v3: no absolute positions, so packing is exact
-            h_TD = deb.encoder.forward_packed(h_TD, cu, info.max_seqlen, output_hidden_states=False,
-                                              packed_info=info).last_hidden_state
-            logits_MV = self.head(h_TD.index_select(0, pos))
-        return F.cross_entropy(logits_MV.float(), tgt, reduction="none")
