@@ -215,7 +215,8 @@ class GraphedStepTrain(PackedencTrain):
     def setup(self) -> None:
         from packedenc.train import AdamW, TrainState, make_step
 
-        self.params = pe.tree_to(self.host_params, self.device)  # fp32 master weights, owned by the state
+        # fp32 master weights owned by the state, a copy: its in-place updates must not reach the host tree
+        self.params = torch.utils._pytree.tree_map(lambda t: t.detach().to(self.device, copy=True), self.host_params)
         self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01))
         self.state = TrainState.create(self.params, self.fn.optimizer)
 
