@@ -176,5 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = outs.get(r["system"], {}).get(r["workload"]), ref.get(r["workload"])
         if r["system"] == "packedenc" and a is not None and b is not None:
             r["min_cos"] = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
-    cell = lambda r: thousands(r["texts_per_s"]) + (f", min cos {r['min_cos']:.6f}" if "min_cos" in r else "")  # noqa: E731
-    return cli.finish(run, records, args, "embed, all-MiniLM-L6-v2; texts/s", fmt=cell)
+    return cli.finish(run, records, args, "embed, all-MiniLM-L6-v2; texts/s", fmt=_cell)
+
+
+def _cell(r: dict[str, Any]) -> str:
+    return thousands(r["texts_per_s"]) + (f", min cos {r['min_cos']:.6f}" if "min_cos" in r else "")

@@ -49,7 +49,8 @@ def _init(family: str, full: dict[str, Any], tiny: dict[str, Any]) -> Callable[[
         if family == "modernbert":
             cfg = modernbert.ModernBertConfig(**kw)
         else:  # a preset with overrides
-            cfg = dataclasses.replace({"deberta": deberta.PRESETS, "bert": bert.PRESETS}[family][kw.pop("preset")], **kw)
+            presets = {"deberta": deberta.PRESETS, "bert": bert.PRESETS}[family]
+            cfg = dataclasses.replace(presets[kw.pop("preset")], **kw)
         return pe.init(cfg, torch.Generator().manual_seed(0), dtype=dtype)
 
     return make

@@ -103,7 +103,8 @@ def _segment_readout(params, z: Tensor, cu: Tensor) -> Tensor:
     m = torch.full((S,), -math.inf, device=z.device).scatter_reduce(0, seg, s.detach(), "amax")
     e = torch.exp(s - torch.where(m.isfinite(), m, 0)[seg])
     den = torch.zeros(S, device=z.device).index_add(0, seg, e).clamp_min(1e-30)
-    pooled = torch.zeros(S, D, device=z.device, dtype=z.dtype).index_add(0, seg, ((e / den[seg])[:, None] * z).to(z.dtype))
+    weighted_TD = ((e / den[seg])[:, None] * z).to(z.dtype)
+    pooled = torch.zeros(S, D, device=z.device, dtype=z.dtype).index_add(0, seg, weighted_TD)
     return anchor + pooled
 
 
@@ -188,7 +189,8 @@ def systems(params32: Any, workload: str) -> list[GraphSystem]:
 def main(argv: list[str] | None = None) -> int:
     ap = cli.parser("graph", __doc__)
     ap.add_argument("--batch", type=int, help="sequences per batch (default 1024; tiny 8)")
-    ap.add_argument("--readout", default="anchor_neighbor_attention", choices=("anchor_neighbor_attention", "anchor_only"))
+    ap.add_argument("--readout", default="anchor_neighbor_attention",
+                    choices=("anchor_neighbor_attention", "anchor_only"))
     args = ap.parse_args(argv)
     device = cli.device_of(args)
     if device is None:

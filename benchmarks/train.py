@@ -17,10 +17,10 @@ Workloads (`benchmarks/workloads.py`): ModernBERT-base on `doc` (batches of 32 s
 `doc1k` (batches of 16) and `doc1k-64k`.
 
 Systems: `packedenc` (the eager step, backend auto), `packedenc+graphs` (the same step through
-`packedenc.cudagraphs.graphed_step`; absent where packedenc has none), `torch-packed` (plain torch through autograd, torch's
-flash varlen backward), `hf-sdpa` / `hf-eager` (transformers, dynamic padding),
-`disentangled-flash` (padded) and `disentangled-flash-packed` (recorded absent when not installed),
-`packedenc+checkpoint` (per-layer recompute; only when named). Probe: before any step, each
+`packedenc.cudagraphs.graphed_step`; absent where packedenc has none), `torch-packed` (plain
+torch through autograd, torch's flash varlen backward), `hf-sdpa` / `hf-eager` (transformers,
+dynamic padding), `disentangled-flash` (padded) and `disentangled-flash-packed` (absent when not
+installed), `packedenc+checkpoint` (per-layer recompute; only when named). Probe: before any step, each
 system's per-token losses on one batch against the reference system's (same weights and masks:
 they must agree to bf16 noise), recorded as `probe_rel_diff`.
 
@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             recs, probes[s.name] = common.run_system(s, ws, cfg, run, probe, **fields)
             records += recs
         for name, (loss, diff) in probe_diffs(probes, bench.reference).items():
-            print(f"{fields['model']} {name}: first-step loss {loss:.5f}, max |per-token loss - {bench.reference}'s| / mean "
-                  + ("n/a" if diff is None else f"{diff:.2e}"))
+            shown = "n/a" if diff is None else f"{diff:.2e}"
+            print(f"{fields['model']} {name}: first-step loss {loss:.5f}, "
+                  f"max |per-token loss - {bench.reference}'s| / mean {shown}")
             for r in records:
                 if (r["model"], r["system"]) == (fields["model"], name):
                     r["probe_loss"], r["probe_rel_diff"] = loss, diff
