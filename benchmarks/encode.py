@@ -153,7 +153,8 @@ def main(argv: list[str] | None, family: str) -> int:
     probe = workloads[0].batch_of(workloads[0].batches[0][:16])
     records: list[dict[str, Any]] = []
     probes: dict[str, Any] = {}
-    fields = dict(model=f"{family}-{'tiny' if args.tiny else 'base'}", dtype=str(dtype).replace("torch.", ""))
+    model = {"modernbert": "modernbert-base", "deberta": "deberta-v3-base", "bert": "bert-base"}[family]
+    fields = dict(model=model.replace("base", "tiny") if args.tiny else model, dtype=str(dtype).replace("torch.", ""))
     for system in systems:
         recs, probes[system.name] = common.run_system(system, workloads, cfg, run, probe, **fields)
         records += recs
