@@ -57,9 +57,9 @@ def flash_varlen(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor
                  window: tuple[int, int]) -> Tensor:
     """torch's flash varlen attention, non-causal, FA window (left, right) with -1 = unbounded."""
     if q_THK.device.type != "cuda":
-        from packedenc.kernels.reference import varlen_attention
+        from packedenc import get_ops
 
-        return varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=window)
+        return get_ops("reference").varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=window)
     fn = _varlen_attn_with_window()
     if fn is not None:
         return fn(q_THK, k_THK, v_THK, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, window_size=window)
@@ -109,6 +109,6 @@ def encode(state: State, ids: Tensor, cu_seqlens: Tensor, max_seqlen: int, posit
 
 
 def _act(name: str) -> Any:
-    from packedenc.kernels.reference import activation
+    from packedenc import get_ops
 
-    return functools.partial(activation, act=name)
+    return functools.partial(get_ops("reference").activation, act=name)

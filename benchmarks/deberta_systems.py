@@ -1,4 +1,4 @@
-"""DeBERTa-v3 contenders for `python -m benchmarks.encode --model deberta-v3-base` (issue 5).
+"""DeBERTa-v3 contenders of the `deberta` family (`python -m benchmarks deberta`).
 
 Every system gets the same random fp16 weights: one host `DebertaParams` tree (packedenc) whose
 HF state dict (`convert.hf.to_state_dict`) is loaded, key for key, into the transformers, FlashDeBERTa
@@ -20,8 +20,8 @@ and DisentangledFlash models.
 - `packedenc-ref-fp32`: the reference backend in fp32; runs only the probe batch (the oracle of
   the "min cos" column), never timed.
 
-A peer that cannot be imported is listed with its records marked skipped, "absent: pip install
-..."; a peer that imports but fails is recorded as failed with its error. Nothing here raises.
+A peer that cannot be imported is recorded as absent ("pip install ..."); a peer that imports but
+fails is recorded as failed with its error. Nothing here raises.
 
 Shapes: T packed tokens, S sequences, L padded length, D hidden.
 """
@@ -36,34 +36,16 @@ import torch
 from torch import Tensor
 
 import packedenc as pe
-from benchmarks.common import Batch, System, Workload, WorkloadSpec
-from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem
+from benchmarks.common import AbsentSystem, Batch, System, Workload
+from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem, hf_builder
 
 # module -> pip requirement of the version the issue names
 PEERS = {"flashdeberta": "flashdeberta==0.0.8", "disentangled_flash": "disentangled-flash==1.1.1"}
 REFERENCE = "packedenc-ref-fp32"
 
-DEBERTA_V3_BASE: dict[str, Any] = {}  # packedenc's PRESETS["v3-base"] as it is
-# CPU smoke test of the harness: head dim 32 (what the peers' kernels accept), tiny buckets
+# CPU smoke runs (--tiny): v3-base with head dim 32 (what the peers' kernels accept) and tiny buckets
 DEBERTA_TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                     intermediate_size=128, position_buckets=8, max_relative_positions=16)
-TINY_WORKLOADS = {  # the issue's names, so the target report runs on them too
-    "mnli": WorkloadSpec("mnli", 64, 12, 0.45, 2, 64, 16),
-    "doc1k": WorkloadSpec("doc1k", 16, 40, 0.7, 8, 96, 4),
-    "long": WorkloadSpec("long", 1, 200, 0.0, 200, 200, 1),
-}
-
-
-def make_params(overrides: dict[str, Any], preset: str = "v3-base") -> Callable[[torch.dtype], Any]:
-    """`make(dtype)` -> seeded random host params of PRESETS[preset] with `overrides`."""
-
-    def make(dtype: torch.dtype) -> Any:
-        from packedenc.models import deberta
-
-        cfg = dataclasses.replace(deberta.PRESETS[preset], **overrides)
-        return deberta.init(cfg, torch.Generator().manual_seed(0), dtype=dtype)
-
-    return make
 
 
 def _resident_gb(device: torch.device) -> dict[str, float]:
@@ -81,22 +63,14 @@ def _load_exact(model: torch.nn.Module, sd: dict[str, Tensor], what: str) -> tor
     return model.eval()
 
 
-def hf_builder(host_params: Any, dtype: torch.dtype, flash: Any = None) -> Callable[[torch.device], Any]:
-    """`build(device)` -> transformers DebertaV2Model (eager) or, with `flash` (the imported
-    flashdeberta module), its FlashDebertaV2Model, holding `host_params`' weights, in eval mode."""
+def flashdeberta_builder(host_params: Any, dtype: torch.dtype, flash: Any) -> Callable[[torch.device], Any]:
+    """`build(device)` -> FlashDeBERTa's FlashDebertaV2Model (`flash`: the imported module) holding
+    `host_params`' weights, in eval mode; FlashDeBERTa ships its own config class."""
 
     def build(device: torch.device) -> torch.nn.Module:
-        import transformers
-
         from packedenc.convert.hf import to_state_dict
 
         sd, cfg_dict = to_state_dict(host_params)
-        if flash is None:
-            cfg = transformers.DebertaV2Config.from_dict(cfg_dict)
-            with torch.device(device):
-                model = transformers.DebertaV2Model._from_config(cfg, attn_implementation="eager", dtype=dtype)
-            return _load_exact(model, sd, "DebertaV2Model")
-        # FlashDeBERTa ships its own config class; its model always uses its flash attention.
         cfg = importlib.import_module("flashdeberta.model").DebertaV2Config(**cfg_dict)
         with torch.device(device):
             model = flash.FlashDebertaV2Model(cfg).to(dtype)
@@ -106,13 +80,13 @@ def hf_builder(host_params: Any, dtype: torch.dtype, flash: Any = None) -> Calla
 
 
 def import_peer(module: str) -> tuple[Any, str | None]:
-    """(module, None) when it imports, else (None, why): 'absent: pip install ...' or 'broken: ...'."""
+    """(module, None) when it imports, else (None, why): 'not installed (pip install ...)' or 'broken: ...'."""
     try:
         return importlib.import_module(module), None
     except ImportError as e:
         dep = getattr(e, "name", None)
         extra = f" (its dependency {dep!r} is missing)" if dep and dep.split(".")[0] != module else ""
-        return None, f"absent: pip install {PEERS[module]}{extra}"
+        return None, f"not installed (pip install {PEERS[module]}){extra}"
     except Exception as e:  # noqa: BLE001 - an incompatible version must not end the run
         return None, f"broken: import {module} failed ({type(e).__name__}: {str(e)[:160]})"
 
@@ -168,19 +142,6 @@ class HFPaddedDeberta(HFPaddedSystem):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), **self.extra, **_resident_gb(self.device)}
-
-
-class AbsentSystem(System):
-    """A peer that could not be imported: every workload is skipped with `reason`."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        self.name, self.reason = name, reason
-
-    def skip_reason(self, workload: Workload) -> str | None:
-        return self.reason
-
-    def prepare(self, batch: Batch) -> Any:
-        raise RuntimeError(self.reason)  # the probe reports it instead of a result
 
 
 class DisentangledFlashPacked(System):
@@ -251,127 +212,23 @@ def make_systems(host_params: Any, device: torch.device) -> list[System]:
         PackedencDeberta("packedenc", host_params, device),
         # mnli / doc1k batches hold 16 sequences and <= 16 * 1024 tokens; "long" (8192) fits too
         GraphedDeberta("packedenc+graphs", host_params, device, max_tokens=16384, max_seqs=16),
-        HFPaddedDeberta("hf-eager", hf_builder(host_params, dtype), device, pad_id=pad_id),
+        HFPaddedDeberta("hf-eager", hf_builder(host_params, dtype, "eager"), device, pad_id=pad_id),
     ]
     fd, why = import_peer("flashdeberta")
     if fd is None:
         systems.append(AbsentSystem("flashdeberta", why))
     else:
-        systems.append(HFPaddedDeberta("flashdeberta", hf_builder(host_params, dtype, flash=fd), device,
+        systems.append(HFPaddedDeberta("flashdeberta", flashdeberta_builder(host_params, dtype, fd), device,
                                        pad_id=pad_id, extra={"version": peer_version("flashdeberta")},
                                        needs_cuda=True))
     df, why = import_peer("disentangled_flash")
     if df is None:
         systems.append(AbsentSystem("disentangled-flash", why))
     else:
-        systems.append(DisentangledFlashPacked("disentangled-flash", df, hf_builder(host_params, dtype), device))
-    for s in systems:
-        if isinstance(s, AbsentSystem):
-            print(f"note: {s.name} {s.reason}")
+        systems.append(DisentangledFlashPacked("disentangled-flash", df, hf_builder(host_params, dtype, "eager"),
+                                               device))
     for module, pin in PEERS.items():
         have = peer_version(module)
         if have is not None and have != pin.split("==")[1]:
             print(f"note: {module} {have} is installed; the issue compares against {pin}")
     return systems
-
-
-# ---- the issue's targets ------------------------------------------------------------------------
-
-PACKEDENC = ("packedenc", "packedenc+graphs")
-DF, FD = "disentangled-flash", "flashdeberta"
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    workload: str
-    metric: str  # "tokens_per_s", "latency_ms", "peak_allocated_gb" or "working_gb"
-    peer: str
-    op: str  # ">=" (packedenc / peer at least factor) or "<=" (at most)
-    factor: float | None  # None: shown for information, no verdict
-
-    @property
-    def label(self) -> str:
-        what = {"tokens_per_s": "tokens/s", "latency_ms": "latency", "peak_allocated_gb": "peak allocated",
-                "working_gb": "working mem (peak - resident)"}[self.metric]
-        if self.factor is None:
-            return f"{self.workload} {what} vs {self.peer} (info)"
-        return f"{self.workload} {what} {self.op} {self.factor:.1f}x {self.peer}"
-
-
-TARGETS = (  # issue 5, "Targets (H200, fp16, same run)"
-    Target("mnli", "tokens_per_s", DF, ">=", 2.5),
-    Target("doc1k", "tokens_per_s", DF, ">=", 1.5),
-    Target("long", "latency_ms", DF, "<=", 0.8),
-    Target("long", "latency_ms", FD, "<=", 1.0),
-    Target("long", "peak_allocated_gb", DF, "<=", 1.0),
-    Target("long", "working_gb", DF, "<=", None),
-    Target("long", "working_gb", FD, "<=", None),
-)
-
-
-def metric(rec: dict[str, Any] | None, name: str) -> float | None:
-    """A record's value of `name` (None when the record is missing, skipped or failed)."""
-    if rec is None or rec.get("status", "ok") != "ok" or rec.get("tokens_per_s") is None:
-        return None
-    if name == "latency_ms":
-        return rec.get("ms_per_batch")
-    if name == "working_gb":
-        peak, resident = rec.get("peak_allocated_gb"), rec.get("resident_gb")
-        return None if peak is None or resident is None else peak - resident
-    return rec.get(name)
-
-
-def evaluate(records: list[dict[str, Any]]) -> list[tuple[Target, str, float | None, str]]:
-    """(target, packedenc system, ratio packedenc / peer or None, verdict) for every pair."""
-    cell = {(r["system"], r["workload"]): r for r in records}
-    out = []
-    for t in TARGETS:
-        for s in PACKEDENC:
-            peer = cell.get((t.peer, t.workload))
-            ours, theirs = metric(cell.get((s, t.workload)), t.metric), metric(peer, t.metric)
-            if not theirs:  # absent, skipped, failed, or a value this device does not record
-                p = peer or {}
-                why = str(p.get("error") or (p.get("status") != "ok" and p.get("status"))
-                          or (f"no {t.metric} recorded" if p else "not run"))
-                out.append((t, s, None, f"n/a ({t.peer}: {why[:90]})"))
-                continue
-            if ours is None:
-                out.append((t, s, None, f"n/a ({s}: not run or failed)"))
-                continue
-            ratio = ours / theirs
-            if t.factor is None:
-                out.append((t, s, ratio, "info"))
-                continue
-            met = ratio >= t.factor if t.op == ">=" else ratio <= t.factor
-            out.append((t, s, ratio, "ok" if met else "missed"))
-    return out
-
-
-def target_report(records: list[dict[str, Any]]) -> str:
-    """The issue's targets (ratio = packedenc / peer, same run) and the `long` latency / memory table."""
-    rows = [["target"] + list(PACKEDENC)]
-    by: dict[Target, dict[str, str]] = {}
-    notes: dict[str, None] = {}  # why a ratio is missing, once each
-    for t, s, ratio, verdict in evaluate(records):
-        by.setdefault(t, {})[s] = f"{ratio:.2f}x {verdict}" if ratio is not None else "n/a"
-        if ratio is None:
-            notes[verdict[len("n/a ("):-1]] = None
-    for t, cells in by.items():
-        rows.append([t.label] + [cells.get(s, "") for s in PACKEDENC])
-    lines = ["issue-5 targets (ratio = packedenc / peer, same run; memory = GiB allocated incl. weights):"]
-    lines += _columns(rows) + [f"  n/a: {n}" for n in notes]
-    longs = [r for r in records if r["workload"] == "long" and r["system"] != REFERENCE]
-    if longs:
-        rows = [["system (long)", "latency ms", "peak alloc GiB", "resident GiB", "working GiB"]]
-        for r in longs:
-            vals = [metric(r, m) for m in ("latency_ms", "peak_allocated_gb")]
-            vals += [r.get("resident_gb") if metric(r, "tokens_per_s") else None, metric(r, "working_gb")]
-            rows.append([r["system"]] + ["-" if v is None else f"{v:.3f}" if i else f"{v:.1f}"
-                                         for i, v in enumerate(vals)])
-        lines += ["", *_columns(rows)]
-    return "\n".join(lines)
-
-
-def _columns(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]

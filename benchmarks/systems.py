@@ -1,5 +1,5 @@
-"""Contenders any family can reuse: packedenc (eager and CUDA-graphed), a packed plain-torch
-function, and a Hugging Face model with dynamic padding (optionally under torch.compile).
+"""Inference contenders any encoder family can reuse: packedenc (eager and CUDA-graphed), a packed
+plain-torch function, and a Hugging Face model with dynamic padding (optionally under torch.compile).
 
 Each system builds its weights on the device in `setup` from one host copy shared by every
 system (same values everywhere) and frees them in `close`, so peak memory is its own.
@@ -16,6 +16,28 @@ from torch import Tensor
 
 import packedenc as pe
 from benchmarks.common import Batch, System, Workload
+
+
+def hf_builder(host_params: Any, dtype: torch.dtype, attn: str = "sdpa") -> Callable[[torch.device], torch.nn.Module]:
+    """`build(device)` -> the transformers base model of `host_params`' family (AutoModel of its
+    exported config) holding exactly its weights, in eval mode."""
+
+    def build(device: torch.device) -> torch.nn.Module:
+        import transformers
+
+        from packedenc.convert.hf import to_state_dict
+
+        sd, cfg_dict = to_state_dict(host_params)
+        cfg = transformers.AutoConfig.for_model(**cfg_dict)
+        with torch.device(device):
+            model = transformers.AutoModel.from_config(cfg, attn_implementation=attn, dtype=dtype)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"HF {type(model).__name__} keys differ from packedenc's export: missing "
+                               f"{missing[:4]}, unexpected {unexpected[:4]}")
+        return model.eval()
+
+    return build
 
 
 class PackedencSystem(System):
@@ -154,8 +176,8 @@ class HFPaddedSystem(System):
         ids, mask = inputs
         return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
-    def hidden(self, inputs: tuple[Tensor, Tensor], out: Tensor) -> Tensor:
-        return out[inputs[1].bool()]  # (S, L, D) -> (T, D): row-major over (S, L) = packed order
+    def probe(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
+        return self.run(inputs)[inputs[1].bool()]  # (S, L, D) -> (T, D): row-major over (S, L) = packed order
 
     def info(self) -> dict[str, Any]:
         return {"compile": "dynamic=True"} if self.compile else {}

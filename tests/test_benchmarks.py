@@ -1,0 +1,171 @@
+"""The benchmark suite on the CPU: `python -m benchmarks <family> --tiny` runs end to end for the
+modernbert, train and embed families and writes complete records; `report` draws the README
+tables from a fixture of records, one commit at a time; workloads, merging and targets behave."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import common, records, report, targets
+from benchmarks.__main__ import main as bench
+
+pytest.importorskip("transformers")
+
+FACTS = {"family", "system", "workload", "status", "error", "gpu", "commit", "command", "date", "torch", "triton"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Records of three tiny CPU runs (one process each would cost more imports than the runs)."""
+    out = tmp_path_factory.mktemp("results")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two shared cores: one thread per run is faster than two fighting
+    try:
+        common_args = ["--tiny", "--device", "cpu", "--reps", "1", "--out-dir", str(out)]
+        assert bench(["modernbert", *common_args, "--workloads", "query", "doc-64k",
+                      "--systems", "packedenc", "packedenc+graphs", "torch-packed", "hf-sdpa"]) == 0
+        assert bench(["train", *common_args, "--models", "modernbert-base", "--workloads", "doc", "doc-64k",
+                      "--systems", "packedenc", "packedenc+graphs", "torch-packed"]) == 0
+        assert bench(["embed", *common_args, "--workloads", "short", "--systems", "packedenc"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return {f: json.loads((out / f"{f}_cpu_tiny.json").read_text()) for f in ("modernbert", "train", "embed")}
+
+
+def _by(recs):
+    return {(r["system"], r["workload"]): r for r in recs}
+
+
+def test_inference_records(runs):
+    recs = runs["modernbert"]
+    by = _by(recs)
+    assert set(by) == {(s, w) for s in ("packedenc", "packedenc+graphs", "torch-packed", "hf-sdpa")
+                       for w in ("query", "doc-64k")}
+    assert by[("hf-sdpa", "doc-64k")]["status"] == "skipped"  # HF pads: no token-budget packs
+    for key, r in by.items():
+        assert FACTS <= set(r) and r["family"] == "modernbert" and r["gpu"] == "cpu", key
+        assert r["command"].startswith("python -m benchmarks modernbert --tiny"), r["command"]
+        if key != ("hf-sdpa", "doc-64k"):
+            assert r["status"] == "ok", (key, r["error"])
+            assert r["tokens_per_s"] > 0 and r["ms_per_batch"] > 0 and r["host_ms"] > 0
+            assert "device_ms" in r and r["device_ms"] is None  # no GPU: no device time
+            # same weights everywhere: every system computes the plain-torch baseline's hidden states
+            assert r["probe_min_cos"] > 0.9999, key
+
+
+def test_training_records(runs):
+    import packedenc.cudagraphs
+
+    by = _by(runs["train"])
+    graphed = hasattr(packedenc.cudagraphs, "graphed_step")  # the graphed step, where the library has it
+    ran = ("packedenc", "torch-packed") + (("packedenc+graphs",) if graphed else ())
+    for key in [(s, w) for s in ran for w in ("doc", "doc-64k")]:
+        r = by[key]
+        assert r["status"] == "ok" and r["model"] == "modernbert-tiny", (key, r["error"])
+        assert r["tokens_per_s"] > 0 and r["host_ms"] > 0 and r["first_loss"] != r["last_loss"]  # it trained
+        # fp32 on the CPU, same weights and masks: the same per-token losses as torch-packed; a system
+        # whose optimizer wrote through to the shared host weights would shift the next one's
+        assert r["probe_rel_diff"] <= 1e-4, key
+    if not graphed:
+        absent = [r for k, r in by.items() if k[0] == "packedenc+graphs"]
+        assert len(absent) == 2 and all(r["status"] == "absent" and "graphed training step" in r["error"]
+                                        for r in absent)
+
+
+def test_embed_records(runs):
+    (r,) = runs["embed"]
+    assert (r["system"], r["workload"], r["status"], r["num_texts"]) == ("packedenc", "short", "ok", 16)
+    assert r["texts_per_s"] > 0 and r["wall_s"] > 0 and r["model"] == "all-MiniLM-L6-v2"
+
+
+# ---- report, from a fixture ----------------------------------------------------------------------
+
+
+def _rec(family, system, workload, commit, tps, **kw):
+    kw = {"date": "2030-01-02T00:00:00Z", "gpu": "NVIDIA H200", "torch": "2.11", "peak_reserved_gb": 1.0, **kw}
+    return records.make_record(system, workload, family=family, commit=commit, tokens_per_s=tps,
+                               command=f"python -m benchmarks {family}", **kw)
+
+
+@pytest.fixture
+def results(tmp_path):
+    mb = [_rec("modernbert", "packedenc", "query", "aaa111", 900e3, host_ms=4.0, device_ms=2.5),
+          _rec("modernbert", "torch-packed", "query", "aaa111", 400e3, host_ms=3.0, device_ms=3.1),
+          _rec("modernbert", "packedenc-ref", "query", "aaa111", None, status="skipped", error="probe only"),
+          _rec("modernbert", "packedenc", "query", "0ld000", 500e3, date="2020-01-01T00:00:00Z")]
+    tr = [_rec("train", "packedenc", "doc", "bbb222", 100e3, model="modernbert-base")]
+    records.write_records(mb, tmp_path / "modernbert_h200.json")
+    records.write_records(tr, tmp_path / "train_h200.json")
+    (tmp_path / "modernbert_h200_quick.json").write_text("not records: never read")
+    return tmp_path
+
+
+def test_report_refuses_to_mix_commits(results, capsys):
+    assert report.main(["--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert "several commits" in err and "aaa111" in err and "bbb222" in err
+
+
+def test_report_draws_one_commits_tables(results, capsys):
+    assert report.main(["--results", str(results), "--commit", "aaa", "--targets"]) == 0
+    md = capsys.readouterr().out
+    assert "### ModernBERT-base inference" in md and "commit aaa111" in md and "### Training" not in md
+    assert "| packedenc | 900k (1.0 GB) |" in md and "| torch-packed | 400k (1.0 GB) |" in md
+    assert "| packedenc | 4.00 / 2.50 |" in md  # host / device ms per batch
+    assert "packedenc-ref" not in md and "500k" not in md  # skipped-only rows and other commits stay out
+    assert "- ok     query tokens/s: packedenc/packedenc+graphs >= 2x torch-packed (issue 3): 2.25x" in md
+    assert "- MISSED query tokens/s: packedenc+graphs >= 1,400k (issue 19)" not in md  # no such record: no line
+
+
+def test_report_mixed_and_readme_markers(results, tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    assert report.main(["--results", str(results), "--mixed", "--readme", str(readme)]) == 2
+    assert "needs one" in capsys.readouterr().err and readme.read_text() == "intro\n"
+    readme.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\noutro\n")
+    assert report.main(["--results", str(results), "--mixed", "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith(f"intro\n{report.BEGIN}\n### ModernBERT") and text.endswith(f"{report.END}\noutro\n")
+    assert "old table" not in text and "commit aaa111" in text and "commit bbb222" in text  # each family's newest
+    assert "modernbert-base:" in text and "| packedenc | 100k (1.0 GB) |" in text
+
+
+def test_chart_needs_matplotlib_only_when_asked(results, monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # importing it now fails
+    recs = records.load_records(results / "train_h200.json")
+    assert report.chart("train", recs, tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
+
+
+# ---- harness pieces -------------------------------------------------------------------------------
+
+
+def test_workload_names_share_their_sequences():
+    specs = common.MODERNBERT_WORKLOADS
+    doc = common.workload_named("doc", specs, 100)
+    b8, packs = common.workload_named("doc-b8", specs, 100), common.workload_named("doc-64k", specs, 100)
+    assert doc.lengths == b8.lengths == packs.lengths and torch.equal(doc.tokens, packs.tokens)
+    assert [len(b) for b in doc.batches[:2]] == [32, 32] and [len(b) for b in b8.batches[:2]] == [8, 8]
+    assert packs.budget and all(packs.batch_tokens(i) <= 65536 for i in range(len(packs.batches)))
+    assert [i for b in packs.batches for i in b] == list(range(1024))  # every sequence once, in order
+    with pytest.raises(ValueError, match="unknown workload 'docs'"):
+        common.workload_named("docs", specs, 100)
+
+
+def test_write_records_replaces_rows_by_key(tmp_path):
+    path = tmp_path / "train_h200.json"
+    records.write_records([_rec("train", "p", "doc", "c1", 1.0, model="a"), _rec("train", "p", "doc", "c1", 2.0,
+                                                                                model="b")], path)
+    merged = records.write_records([_rec("train", "p", "doc", "c2", 3.0, model="a")], path)
+    assert {(r["model"], r["commit"], r["tokens_per_s"]) for r in merged} == {("b", "c1", 2.0), ("a", "c2", 3.0)}
+    assert json.loads(path.read_text()) == merged
+
+
+def test_targets_take_the_best_system_and_say_why_not():
+    t = targets.Target("doc", "tokens_per_s", ("packedenc", "packedenc+graphs"), ">=", 1.5, ("torch-packed",))
+    recs = [_rec("x", "packedenc", "doc", "c", 100.0), _rec("x", "packedenc+graphs", "doc", "c", 200.0),
+            _rec("x", "torch-packed", "doc", "c", 125.0)]
+    assert targets.evaluate(t, recs) == ("ok", "1.60x (packedenc+graphs vs torch-packed)")
+    assert targets.evaluate(t, recs[:2])[0] == "n/a"
+    lower = targets.Target("doc", "peak_reserved_gb", ("packedenc",), "<=", 0.5, ("torch-packed",))
+    assert targets.evaluate(lower, recs)[0] == "MISSED"  # 1.0 GB vs 1.0 GB
