@@ -19,7 +19,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host ints. `triton.cdiv` is a (constexpr) JIT function whose host call costs
     ~2-4 us of dispatch; launchers compute several grids per call, and an eager doc1k batch of
-    DeBERTa-v3-base is host-bound (benchmarks/NOTES.md)."""
+    DeBERTa-v3-base is host-bound (benchmarks/results/history/NOTES-diary.md)."""
     return -(-a // b)
 
 

@@ -95,7 +95,7 @@ def ce_grad_(logits_MV: Tensor, targets_M: Tensor, block_v: int | None = None) -
 # Row stride of the (M, V) logits / G buffer, in elements. Rows that start 16-byte aligned let
 # cuBLAS pick its sm90 (TMA) GEMMs for the logits and both backward GEMMs; DeBERTa-v3's
 # 128100-word vocab (256,200-byte bf16 rows) otherwise ran on sm80 kernels, 7.3-8.3 ms each on an
-# H200 for a 64k-token pack's ~10k masked rows (`benchmarks/profile_gpu.py --parts train`).
+# H200 for a 64k-token pack's ~10k masked rows (benchmarks/results/history/NOTES-diary.md).
 ROW_ALIGN = 64
 
 

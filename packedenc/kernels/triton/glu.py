@@ -123,7 +123,7 @@ def _glu_bwd_kernel(
 
 
 def _tile(T: int, F: int) -> tuple[tuple[int, int], int, int, int]:
-    # 128 x 16 was the fastest of 5 tiles at T=32k, F=1152 on an H200 (benchmarks/NOTES.md);
+    # 128 x 16 was the fastest of 5 tiles at T=32k, F=1152 on an H200 (benchmarks/results/history/NOTES-diary.md);
     # 1152 = 9 x 128, so no masked columns either.
     BLOCK_F = min(128, next_pow2(F))
     BLOCK_T = max(1, min(64, 2048 // BLOCK_F))

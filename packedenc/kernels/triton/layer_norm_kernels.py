@@ -211,7 +211,7 @@ def ln_bwd(
     dy2, x2 = rows(dy), rows(x)
     T = dy2.shape[0]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    # One row per tile: 82 us vs 98 us for four at T=32k, D=768 on an H200 (benchmarks/NOTES.md).
+    # One row per tile: 82 us vs 98 us for four at T=32k, D=768 on an H200 (benchmarks/results/history/NOTES-diary.md).
     BLOCK_T, BLOCK_D, num_warps = row_tile(D, target=1024)
     n_tiles = cdiv(T, BLOCK_T)
     tiles_per_prog = max(1, cdiv(n_tiles, programs))  # fixed by T alone: deterministic sums

@@ -95,7 +95,7 @@ def _rotary_kernel(
         tl.store(ov + J, v2.to(dt), mask=mask)
 
 
-TILE_ELEMS = 2048  # frequencies x heads x tokens per program (benchmarks/bench_ops.py --sweep)
+TILE_ELEMS = 2048  # frequencies x heads x tokens per program (the sweep in benchmarks/results/history/NOTES-diary.md)
 _INV_FREQ: dict[tuple[int, float, torch.device], Tensor] = {}
 
 
