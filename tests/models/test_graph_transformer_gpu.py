@@ -14,7 +14,6 @@ from packedenc.kernels import graph_attention as GA
 from packedenc.kernels import reference
 from packedenc.kernels.graph_attention import graph_attention as graph_attention_cuda
 from packedenc.models.graph_transformer import encode
-from packedenc.models.graph_transformer import forward as FW
 from packedenc.pytree import named_leaves, tree_map
 from tests.models.test_graph_transformer import inputs, make, padded_forward, padded_model
 
@@ -49,7 +48,6 @@ def test_gpu_fp32_equals_padded_and_bf16_within_twice_padded_error(name):
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2"])
 def test_gpu_gradients_match_padded(name, dtype, core, recompute, monkeypatch):
     monkeypatch.setattr(GA, "LOWP_CORE", core)
-    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", recompute)
     cfg, p = make(name)
     x, cu, kw = inputs(cfg, lengths=[1, 40, 3, 128, 7])
     dev = "cuda"
@@ -64,7 +62,7 @@ def test_gpu_gradients_match_padded(name, dtype, core, recompute, monkeypatch):
     ref32 = padded_grads(torch.float32)
     ref_lowp = padded_grads(dtype)
     pc = tree_map(lambda t: t.to(dev, dtype).requires_grad_(), p)
-    (encode(pc, x, cu, **kw).float() * w).sum().backward()
+    (encode(pc, x, cu, **kw, recompute_ffn=recompute).float() * w).sum().backward()
     # Some gradients are exactly zero in exact arithmetic (a key-projection bias shifts every score
     # of a query equally, and softmax ignores that): what remains is the rounding noise of a sum of
     # cancelling bf16 terms, judged against one bf16 unit roundoff (2^-8) of the scale of the
