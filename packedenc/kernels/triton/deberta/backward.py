@@ -126,47 +126,12 @@ def _bwd_onepass_kernel(
             d0 = i0 - j0 - (BLOCK - 1)
             slot_lo = _slot(SLOT, d0, half)
             if slot_lo == _slot(SLOT, d0 + 2 * BLOCK - 2, half):  # one slot: rank-1 terms
-                if slot_lo != run_slot:
-                    if run_slot >= 0:
-                        _flush_run(DPKh, DPQh, run_slot, run_pk, run_gn, k, s_dpk_r, s_dpq_r, offs_k, kmask,
-                                   C2P, P2C)
-                    run_pk = tl.zeros([BLOCK_K], tl.float32)
-                    run_gn = tl.zeros([BLOCK], tl.float32)
-                    run_slot = slot_lo
-                if C2P:
-                    g_m = tl.sum(g, 1)
-                    pk = tl.load(PKh + slot_lo.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0)
-                    dq += g_m[:, None] * pk.to(tl.float32)[None, :]
-                    run_pk += tl.sum(q.to(tl.float32) * g_m[:, None], 0)
-                if P2C:
-                    g_n = tl.sum(g, 0)
-                    pq = tl.load(PQh + slot_lo.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0)
-                    dk += g_n[:, None] * pq.to(tl.float32)[None, :]
-                    run_gn += g_n
+                dq, dk, run_slot, run_pk, run_gn = _rank1_grads(
+                    g, q, k, dq, dk, slot_lo, run_slot, run_pk, run_gn, PKh, PQh, DPKh, DPQh,
+                    s_pk_r, s_pq_r, s_dpk_r, s_dpq_r, offs_k, kmask, C2P, P2C, BLOCK, BLOCK_K)
             else:
-                slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
-                # The band index tensors are formed here, not once before the loop: held across it
-                # they cost ~60 registers a thread and the kernel spills (sm_90 ptxas, 4 warps).
-                if C2P:
-                    band_n = offs[:, None] - w[None, :] + (BLOCK - 1)  # (M, W): key column of (m, w)
-                    n_ok = (band_n >= 0) & (band_n < BLOCK)
-                    band_n = tl.minimum(tl.maximum(band_n, 0), BLOCK - 1)
-                    pkw = tl.load(PKh + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-                    gc = tl.where(n_ok, tl.gather(g16, band_n, axis=1), 0.0)  # (M, W)
-                    dq += tl.dot(gc, pkw.to(q.dtype), input_precision=PREC)
-                    dpkw = tl.dot(tl.trans(gc), q, input_precision=PREC)  # (W, K)
-                    tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :],
-                                  sem="relaxed")
-                if P2C:
-                    band_m = w[:, None] + offs[None, :] - (BLOCK - 1)  # (W, N): query row of (w, n)
-                    m_ok = (band_m >= 0) & (band_m < BLOCK)
-                    band_m = tl.minimum(tl.maximum(band_m, 0), BLOCK - 1)
-                    pqw = tl.load(PQh + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
-                    gp = tl.where(m_ok, tl.gather(g16, band_m, axis=0), 0.0)  # (W, N)
-                    dk += tl.dot(tl.trans(gp), pqw.to(k.dtype), input_precision=PREC)
-                    dpqw = tl.dot(gp, k, input_precision=PREC)  # (W, K)
-                    tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :],
-                                  sem="relaxed")
+                dq, dk = _band_grads(g16, q, k, dq, dk, SLOT, d0, half, w, offs, PKh, PQh, DPKh, DPQh,
+                                     s_pk_r, s_pq_r, s_dpk_r, s_dpq_r, offs_k, kmask, C2P, P2C, BLOCK, PREC)
         # "relaxed": pure adds, no ordering with other memory needed (Triton's default acq_rel fences)
         tl.atomic_add(DQ + rows[:, None] * s_dq_t + hh * s_dq_h + offs_k[None, :], dq, mask=qmask, sem="relaxed")
     if C2P or P2C:
@@ -185,6 +150,63 @@ def _flush_run(DPKh, DPQh, slot, run_pk, run_gn, k, s_dpk_r, s_dpq_r, offs_k, km
     if P2C:
         tl.atomic_add(DPQh + slot.to(tl.int64) * s_dpq_r + offs_k, tl.sum(k.to(tl.float32) * run_gn[:, None], 0),
                       mask=kmask, sem="relaxed")
+
+
+@triton.jit
+def _rank1_grads(g, q, k, dq, dk, slot, run_slot, run_pk, run_gn, PKh, PQh, DPKh, DPQh,
+                 s_pk_r, s_pq_r, s_dpk_r, s_dpq_r, offs_k, kmask,
+                 C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile whose pairs all read table row `slot`: its dq / dk terms are a row / column sum of G
+    times the row; its table gradients join the current run (a new slot flushes the finished run).
+    Return (dq, dk, run_slot, run_pk, run_gn)."""
+    if slot != run_slot:
+        if run_slot >= 0:
+            _flush_run(DPKh, DPQh, run_slot, run_pk, run_gn, k, s_dpk_r, s_dpq_r, offs_k, kmask, C2P, P2C)
+        run_pk = tl.zeros([BLOCK_K], tl.float32)
+        run_gn = tl.zeros([BLOCK], tl.float32)
+        run_slot = slot
+    if C2P:
+        g_m = tl.sum(g, 1)
+        pk = tl.load(PKh + slot.to(tl.int64) * s_pk_r + offs_k, mask=kmask, other=0.0)
+        dq += g_m[:, None] * pk.to(tl.float32)[None, :]
+        run_pk += tl.sum(q.to(tl.float32) * g_m[:, None], 0)
+    if P2C:
+        g_n = tl.sum(g, 0)
+        pq = tl.load(PQh + slot.to(tl.int64) * s_pq_r + offs_k, mask=kmask, other=0.0)
+        dk += g_n[:, None] * pq.to(tl.float32)[None, :]
+        run_gn += g_n
+    return dq, dk, run_slot, run_pk, run_gn
+
+
+@triton.jit
+def _band_grads(g16, q, k, dq, dk, SLOT, d0, half, w, offs, PKh, PQh, DPKh, DPQh,
+                s_pk_r, s_pq_r, s_dpk_r, s_dpq_r, offs_k, kmask,
+                C2P: tl.constexpr, P2C: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    """A band tile (distances d0 + w, w < 2 * BLOCK): G scattered into (M, W) / (W, N) band layout by a
+    `tl.gather`, one GEMM with the slot rows for the dq / dk part, one for the per-distance table
+    gradient, added at its slot by fp32 atomics. Return (dq, dk)."""
+    slot_w = _slot(SLOT, d0 + w, half).to(tl.int64)
+    # The band index tensors are formed here, per tile, not once before the loop: held across it
+    # they cost ~60 registers a thread and the kernel spills (sm_90 ptxas, 4 warps).
+    if C2P:
+        band_n = offs[:, None] - w[None, :] + (BLOCK - 1)  # (M, W): key column of (m, w)
+        n_ok = (band_n >= 0) & (band_n < BLOCK)
+        band_n = tl.minimum(tl.maximum(band_n, 0), BLOCK - 1)
+        pkw = tl.load(PKh + slot_w[:, None] * s_pk_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+        gc = tl.where(n_ok, tl.gather(g16, band_n, axis=1), 0.0)  # (M, W)
+        dq += tl.dot(gc, pkw.to(q.dtype), input_precision=PREC)
+        dpkw = tl.dot(tl.trans(gc), q, input_precision=PREC)  # (W, K)
+        tl.atomic_add(DPKh + slot_w[:, None] * s_dpk_r + offs_k[None, :], dpkw, mask=kmask[None, :], sem="relaxed")
+    if P2C:
+        band_m = w[:, None] + offs[None, :] - (BLOCK - 1)  # (W, N): query row of (w, n)
+        m_ok = (band_m >= 0) & (band_m < BLOCK)
+        band_m = tl.minimum(tl.maximum(band_m, 0), BLOCK - 1)
+        pqw = tl.load(PQh + slot_w[:, None] * s_pq_r + offs_k[None, :], mask=kmask[None, :], other=0.0)
+        gp = tl.where(m_ok, tl.gather(g16, band_m, axis=0), 0.0)  # (W, N)
+        dk += tl.dot(tl.trans(gp), pqw.to(k.dtype), input_precision=PREC)
+        dpqw = tl.dot(gp, k, input_precision=PREC)  # (W, K)
+        tl.atomic_add(DPQh + slot_w[:, None] * s_dpq_r + offs_k[None, :], dpqw, mask=kmask[None, :], sem="relaxed")
+    return dq, dk
 
 
 # ---- launcher ----------------------------------------------------------------------------------

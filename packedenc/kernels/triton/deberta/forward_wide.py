@@ -52,12 +52,24 @@ def _p2c_chunk(k, PQ, SLOT, d_lo, half, s_pq_r, offs_k, kmask, U: tl.constexpr, 
 
 
 @triton.jit
-def _pick2(x0, x1, lo, hi, AXIS: tl.constexpr):
-    """x[idx] along AXIS of the band [x0 | x1] held as two U-wide chunks, as fp32; lo = idx % U,
-    hi = idx // U."""
-    v0 = tl.gather(x0, lo, axis=AXIS)
-    v1 = tl.gather(x1, lo, axis=AXIS)
+def _p2c_band(k, PQ, SLOT, d0, half, s_pq_r, offs_k, kmask, idx, M: tl.constexpr, PREC: tl.constexpr,
+              LOWP: tl.constexpr):
+    """G[idx[m, n], n] as fp32 for the band G = PQ[slot(d0 + u)] @ k^T, u in [0, 2M), computed as two
+    (M, N) chunks (wgmma-shaped; 33 of their 128 slot rows unused) and picked along the rows."""
+    g0 = _p2c_chunk(k, PQ, SLOT, d0, half, s_pq_r, offs_k, kmask, M, PREC, LOWP)
+    g1 = _p2c_chunk(k, PQ, SLOT, d0 + M, half, s_pq_r, offs_k, kmask, M, PREC, LOWP)
+    lo, hi = idx % M, idx // M
+    v0 = tl.gather(g0, lo, axis=0)
+    v1 = tl.gather(g1, lo, axis=0)
     return tl.where(hi == 0, v0, v1).to(tl.float32)
+
+
+@triton.jit
+def _c2p_chunk(q, PK, SLOT, d_lo, half, s_pk_r, offs_k, kmask, lo_n, N: tl.constexpr, PREC: tl.constexpr,
+               LOWP: tl.constexpr):
+    """C[m, lo_n[m, n]] for C = q @ PK[slot(d_lo + t)]^T, t in [0, N): one chunk of a tile's c2p band,
+    picked in the input dtype if LOWP."""
+    return tl.gather(_c2p_half(q, PK, SLOT, d_lo, half, s_pk_r, offs_k, kmask, N, PREC, LOWP), lo_n, axis=1)
 
 
 @triton.jit
@@ -102,27 +114,20 @@ def _fwd_wide_kernel(
                                      offs_k, kmask, m_i, l_i, acc, qk_scale, NS, C2P, PREC)
     if C2P:  # chunks 1 and 2 of the first band tile's c2p band (d0(e1) + N .., d0(e1) + 2N ..)
         d_first = i0 - e1 - (BLOCK_N - 1)
-        c1 = tl.gather(_c2p_half(q, PKh, SLOT, d_first + BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP),
-                       lo_n, axis=1)
-        c2 = tl.gather(_c2p_half(q, PKh, SLOT, d_first + 2 * BLOCK_N, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC,
-                                 LOWP), lo_n, axis=1)
+        c1 = _c2p_chunk(q, PKh, SLOT, d_first + BLOCK_N, half, s_pk_r, offs_k, kmask, lo_n, BLOCK_N, PREC, LOWP)
+        c2 = _c2p_chunk(q, PKh, SLOT, d_first + 2 * BLOCK_N, half, s_pk_r, offs_k, kmask, lo_n, BLOCK_N, PREC, LOWP)
     for j0 in range(e1, s3, BLOCK_N):
         _, nmask, _, k, v = _key_block(K, V, start, j0, L, hh, s_k_t, s_k_h, s_v_t, s_v_h, offs_n, offs_k, kmask)
         d0 = i0 - j0 - (BLOCK_N - 1)
         # the position terms summed in the gathers' layouts first, then added to q @ k^T once
-        if LOWP:
-            pos = tl.zeros([BLOCK_M, BLOCK_N], q.dtype)
-        else:
-            pos = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        pos = tl.zeros([BLOCK_M, BLOCK_N], q.dtype if LOWP else tl.float32)
         if C2P:  # chunk 0 fresh; this tile's chunks 0, 1 are the next tile's 1, 2
-            c0 = tl.gather(_c2p_half(q, PKh, SLOT, d0, half, s_pk_r, offs_k, kmask, BLOCK_N, PREC, LOWP), lo_n, axis=1)
+            c0 = _c2p_chunk(q, PKh, SLOT, d0, half, s_pk_r, offs_k, kmask, lo_n, BLOCK_N, PREC, LOWP)
             pos += tl.where(hi_n == 0, c0, tl.where(hi_n == 1, c1, c2)).to(pos.dtype)
             c2 = c1
             c1 = c0
-        if P2C:  # two (M, N) chunks: wgmma-shaped, 33 of their 128 slot rows unused
-            g0 = _p2c_chunk(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
-            g1 = _p2c_chunk(k, PQh, SLOT, d0 + BLOCK_M, half, s_pq_r, offs_k, kmask, BLOCK_M, PREC, LOWP)
-            pos += _pick2(g0, g1, idx % BLOCK_M, idx // BLOCK_M, 0).to(pos.dtype)
+        if P2C:
+            pos += _p2c_band(k, PQh, SLOT, d0, half, s_pq_r, offs_k, kmask, idx, BLOCK_M, PREC, LOWP).to(pos.dtype)
         s = tl.dot(q, tl.trans(k), pos.to(tl.float32), input_precision=PREC)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PREC)
