@@ -29,7 +29,8 @@ LOG2E = 1.4426950408889634
 class DebertaTiles:
     """Tile shapes and launch options of the DeBERTa kernels; the defaults ship (module docstring).
 
-    Wide heads (K > 64) always take 8 warps and no register cap: with 4 warps they spill (sm_90 ptxas).
+    Whatever the fields say, 16-row tiles run on 4 warps, and wide heads (K > 64) on larger tiles on
+    8 warps without a register cap (with 4 warps they spill; sm_90 ptxas).
     """
 
     # Query = key rows of a tile of the 32-row forward and of the backward: per batch the smallest
