@@ -62,7 +62,7 @@ _BACKEND_MODULES = {
 _AUTO_CUDA = {
     "varlen_attention": ("triton", "flash"),  # kernels/triton/attention*.py: forward and backward
     "graph_attention": ("triton", "flash"),  # triton covers fused fp16/bf16 full layers; flash the rest
-    "deberta_attention": ("triton",),  # packed disentangled attention (kernels/triton/deberta_attention.py)
+    "deberta_attention": ("triton",),  # packed disentangled attention (kernels/triton/deberta/)
 }
 _AUTO_CUDA_DEFAULT = ("triton",)
 

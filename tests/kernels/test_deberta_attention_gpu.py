@@ -1,7 +1,8 @@
 """DeBERTa disentangled attention on the GPU (`-m gpu`): the kernels against the reference at the
-issue's lengths (1 .. 8192), every position-term subset, the backward (two-kernel and one-pass) in
-fp16 / bf16 against the fp32 reference and HF-style eager low precision, the op in a CUDA graph, and
-the whole encoder. The CPU tests (interpreter) are in test_deberta_attention.py.
+issue's lengths (1 .. 8192), every position-term subset, the one-pass backward in fp16 / bf16 against
+the fp32 reference and HF-style eager low precision, chunked launches, the shipped launch options,
+the op in a CUDA graph, and the whole encoder. The CPU tests (interpreter) are in
+test_deberta_attention.py and test_deberta_attention_bwd.py.
 """
 
 import dataclasses
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 from packedenc.kernels import get_ops, reference
-from packedenc.kernels.triton import deberta_attention as DA
-from packedenc.kernels.triton import deberta_attention_bwd as DB
+from packedenc.kernels.triton.deberta import TILES, DebertaTiles, deberta_attention
+from packedenc.kernels.triton.deberta import backward as B, forward as F, forward_wide as W
 from tests.kernels._assert import assert_close_to_ref, other_rows
-from tests.kernels.test_deberta_attention import FWD_CASES, _f32, _inputs, _ref
+from tests.kernels.test_deberta_attention import FWD_CASES, _f32, _inputs, _ref, launches
 
 
 GPU_LENGTHS = (1, 2, 127, 128, 129, 255, 256, 257, 511, 512, 513, 2048, 8192)
@@ -60,40 +61,38 @@ def test_gpu_forward_issue_lengths(dtype, dim):
                                   dim=dim)
     L = max(GPU_LENGTHS)
     kw = dict(pos_att_type=types, position_buckets=256, max_relative_positions=512, scale=scale)
-    o = DA.deberta_attention(q, k, v, cu, L, pk, pq, **kw)
+    o = deberta_attention(q, k, v, cu, L, pk, pq, **kw)
     ref32 = _ref_per_seq(*_f32(q, k, v), cu, *_f32(pk, pq), types, 256, 512, scale)
     assert_close_to_ref(o, ref32, _eager_lowp(q, k, v, cu, pk, pq, 256, 512, scale), atol=1e-3,
                         what=f"{dtype} K={dim}")
-    assert torch.equal(o, DA.deberta_attention(q, k, v, cu, L, pk, pq, **kw))  # deterministic
+    assert torch.equal(o, deberta_attention(q, k, v, cu, L, pk, pq, **kw))  # deterministic
     other = other_rows(GPU_LENGTHS, 11)  # everything but the 2048-token sequence
     k2, v2 = k.clone(), v.clone()
     k2[other] *= 5
     v2[other] += 1
-    o2 = DA.deberta_attention(q, k2, v2, cu, L, pk, pq, **kw)
+    o2 = deberta_attention(q, k2, v2, cu, L, pk, pq, **kw)
     assert torch.equal(o[~other], o2[~other]) and not torch.equal(o[other], o2[other])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(FWD_CASES))
-# 16: short batches; 32: the shipped tile. 64-row tiles do not compile with Triton 3.6 on sm_90
-# (TritonGPUPipeline fails; seen on an H200, 2026-11-29), so BLOCK_MAX stays at 32.
+# 16: 32-row kernel on 16-row tiles; 32: the shipped tiles (the wide kernel at K = 64). 64-row tiles
+# do not compile with Triton 3.6 on sm_90 (TritonGPUPipeline fails), so block_max stays at 32.
 @pytest.mark.parametrize("block_max", [16, 32])
-def test_gpu_forward_every_term_subset(name, block_max, monkeypatch):
-    monkeypatch.setattr(DA, "BLOCK_MAX", block_max)
+def test_gpu_forward_every_term_subset(name, block_max):
     types, buckets, max_pos, same = FWD_CASES[name]
     lengths = (1, 2, 63, 64, 65, 300, 1000)
     q, k, v, cu, pk, pq = _inputs(lengths, types, buckets, max_pos, torch.bfloat16, same, "cuda", 4, 64)
-    o = DA.deberta_attention_fwd(q, k, v, cu, max(lengths), pk, pq, buckets, max_pos, 0.07)[0]
+    o = F.deberta_attention_fwd(q, k, v, cu, max(lengths), pk, pq, buckets, max_pos, 0.07,
+                                tiles=DebertaTiles(block_max=block_max))[0]
     ref32 = _ref_per_seq(*_f32(q, k, v), cu, *_f32(pk, pq), types, buckets, max_pos, 0.07)
     assert_close_to_ref(o, ref32, _eager_lowp(q, k, v, cu, pk, pq, buckets, max_pos, 0.07), atol=1e-3, what=name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_backward(dtype, dim, one_pass, monkeypatch):
-    monkeypatch.setattr(DB, "ONE_PASS", one_pass)
+def test_gpu_backward(dtype, dim):
     types, lengths, scale = ("c2p", "p2c"), (1, 63, 64, 65, 129, 700), 1 / math.sqrt(dim * 3)
     q, k, v, cu, pk, pq = _inputs(lengths, types, 256, 512, dtype, device="cuda", heads=4, dim=dim)
     L = max(lengths)
@@ -104,11 +103,50 @@ def test_gpu_backward(dtype, dim, one_pass, monkeypatch):
         return torch.autograd.grad(f(*leaves), leaves, do.to(cast))
 
     kw = dict(pos_att_type=types, position_buckets=256, max_relative_positions=512, scale=scale)
-    got = grads(lambda q, k, v, pk, pq: DA.deberta_attention(q, k, v, cu, L, pk, pq, **kw), dtype)
+    got = grads(lambda q, k, v, pk, pq: deberta_attention(q, k, v, cu, L, pk, pq, **kw), dtype)
     lowp = grads(lambda q, k, v, pk, pq: _eager_lowp(q, k, v, cu, pk, pq, 256, 512, scale), dtype)
     f32 = grads(lambda q, k, v, pk, pq: reference.deberta_attention(q, k, v, cu, L, pk, pq, **kw), torch.float32)
     for what, a, b, c in zip(("dq", "dk", "dv", "dpk", "dpq"), got, lowp, f32):
-        assert_close_to_ref(a, c, b, atol=1e-3, what=f"{what} {dtype} K={dim} one_pass={one_pass}")
+        assert_close_to_ref(a, c, b, atol=1e-3, what=f"{what} {dtype} K={dim}")
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_launches_equal_one_launch():
+    """A pack launched a few sequences at a time (`max_grid_z`, as packs of more than 65535 sequences
+    are) gives the one-launch forward's bits on the 32-row and the wide kernel, and its backward."""
+    types, lengths = ("c2p", "p2c"), (1, 700, 5, 64, 33, 2)
+    q, k, v, cu, pk, pq = _inputs(lengths, types, 256, 512, torch.bfloat16, device="cuda", heads=4, dim=64)
+    for block_max in (16, 32):  # 16: the 32-row kernel; 32: the wide one
+        one, chunked = DebertaTiles(block_max=block_max), DebertaTiles(block_max=block_max, max_grid_z=4)
+        o, lse = F.deberta_attention_fwd(q, k, v, cu, 700, pk, pq, 256, 512, 0.07, tiles=one)
+        o2, lse2 = F.deberta_attention_fwd(q, k, v, cu, 700, pk, pq, 256, 512, 0.07, tiles=chunked)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), block_max
+    do = torch.randn_like(q)
+    g = B.deberta_attention_bwd(do, q, k, v, o, lse, cu, 700, pk, pq, 256, 512, 0.07)
+    g2 = B.deberta_attention_bwd(do, q, k, v, o, lse, cu, 700, pk, pq, 256, 512, 0.07,
+                                 tiles=DebertaTiles(max_grid_z=4))
+    assert torch.equal(g[1], g2[1]) and torch.equal(g[2], g2[2])  # dk, dv: no atomics
+    for a, b in zip(g, g2):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # dq, dpk, dpq: atomic sums, any order
+
+
+@pytest.mark.gpu
+def test_gpu_launchers_pass_the_shipped_options():
+    """The compiled launches get `TILES`' warps, stages and register caps: the 32-row forward (a
+    batch of <= 32 tokens), the wide forward and the one-pass backward (bf16, K = 64)."""
+    types = ("c2p", "p2c")
+    for L, kernel, want in ((20, F._fwd_kernel, TILES.fwd_options(32, 64)),
+                            (300, W._fwd_wide_kernel, TILES.wide_options())):
+        q, k, v, cu, pk, pq = _inputs((L, 3), types, 256, 512, torch.bfloat16, device="cuda", heads=4, dim=64)
+        with launches(kernel) as seen:
+            o, lse = F.deberta_attention_fwd(q, k, v, cu, L, pk, pq, 256, 512, 0.07)
+        assert len(seen) == 1 and {x: seen[0].get(x) for x in ("num_warps", "num_stages", "maxnreg")} == \
+            {"num_warps": want["num_warps"], "num_stages": want["num_stages"], "maxnreg": want.get("maxnreg")}, L
+    with launches(B._bwd_onepass_kernel) as seen:
+        B.deberta_attention_bwd(torch.ones_like(q), q, k, v, o, lse, cu, 300, pk, pq, 256, 512, 0.07)
+    want = TILES.bwd_options(32, 64)
+    assert len(seen) == 1 and (seen[0].get("num_warps"), seen[0].get("num_stages"), seen[0].get("maxnreg")) == \
+        (want["num_warps"], want["num_stages"], want.get("maxnreg"))
 
 
 @pytest.mark.gpu

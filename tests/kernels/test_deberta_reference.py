@@ -1,5 +1,6 @@
-"""The DeBERTa reference ops (`deberta_attention`, `varlen_conv1d`, HF log buckets): the spec a
-GPU kernel is tested against, checked here against transformers and a per-pair formula."""
+"""The DeBERTa reference ops (`deberta_attention`, `varlen_conv1d`, HF log buckets) and the attention's
+written-out gradient and log-sum-exp (`reference.deberta`): the spec a GPU kernel is tested against,
+checked here against transformers, a per-pair formula and autograd."""
 
 import math
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from packedenc.kernels import reference as ref
+from packedenc.kernels.reference import deberta as RD
 
 hf = pytest.importorskip("transformers.models.deberta_v2.modeling_deberta_v2")
 
@@ -37,23 +39,26 @@ def test_relative_positions_equal_hf(L, buckets, max_pos):
     assert torch.equal(ref.relative_positions(L, buckets, max_pos), want)
 
 
+def pair_logit(q, k, pk, pq, types, buckets, max_pos, i, j):
+    """(H,) q_i.k_j + q_i.PK[c(i, j)] + k_j.PQ[p(i, j)] for one pair of tokens of a sequence."""
+    span = (pk if pk is not None else pq).shape[0] // 2 if types else 1
+    r = (lambda d: ref.log_bucket_position(torch.tensor(d), buckets, max_pos).long().item()) if buckets > 0 else (lambda d: d)
+    x = (q[i] * k[j]).sum(-1)
+    if "c2p" in types:
+        x = x + (q[i] * pk[min(max(r(i - j) + span, 0), 2 * span - 1)]).sum(-1)
+    if "p2c" in types:
+        x = x + (k[j] * pq[min(max(-r(j - i) + span, 0), 2 * span - 1)]).sum(-1)
+    return x
+
+
 def per_pair(q, k, v, cu, pk, pq, types, buckets, max_pos, scale):
     """logit[i, j] = scale * (q_i.k_j + q_i.PK[c(i, j)] + k_j.PQ[p(i, j)]) one pair at a time."""
-    span = (pk if pk is not None else pq).shape[0] // 2 if types else 1
     out = torch.empty_like(q)
-    r = (lambda d: ref.log_bucket_position(torch.tensor(d), buckets, max_pos).long().item()) if buckets > 0 else (lambda d: d)
     for s in range(cu.numel() - 1):
         a, b = int(cu[s]), int(cu[s + 1])
         for i in range(a, b):
-            logits = torch.empty(b - a, q.shape[1])
-            for j in range(a, b):
-                x = (q[i] * k[j]).sum(-1)
-                if "c2p" in types:
-                    x = x + (q[i] * pk[min(max(r(i - j) + span, 0), 2 * span - 1)]).sum(-1)
-                if "p2c" in types:
-                    x = x + (k[j] * pq[min(max(-r(j - i) + span, 0), 2 * span - 1)]).sum(-1)
-                logits[j - a] = x * scale
-            out[i] = torch.einsum("jh,jhk->hk", logits.softmax(0), v[a:b])
+            logits = torch.stack([pair_logit(q, k, pk, pq, types, buckets, max_pos, i, j) for j in range(a, b)])
+            out[i] = torch.einsum("jh,jhk->hk", (logits * scale).softmax(0), v[a:b])
     return out
 
 
@@ -108,6 +113,55 @@ def test_attention_gradients_flow():
     out.square().sum().backward()
     for t in (q, k, v, pk, pq):
         assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+def _attention_inputs(types, buckets, max_pos, lengths=(1, 50, 17, 16, 3), H=2, K=32):
+    g = torch.Generator().manual_seed(2)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    q, k, v = (torch.randn(int(cu[-1]), H, K, generator=g) for _ in range(3))
+    span = buckets if buckets > 0 else max_pos
+    pk = torch.randn(2 * span, H, K, generator=g) if "c2p" in types else None
+    pq = torch.randn(2 * span, H, K, generator=g) if "p2c" in types else None
+    return q, k, v, cu, pk, pq
+
+
+@pytest.mark.parametrize("types, buckets, max_pos", [
+    (("c2p", "p2c"), 4, 6), (("c2p",), 7, 40), (("p2c",), -1, 3), ((), -1, 4),
+])
+def test_attention_bwd_equals_autograd_of_the_reference(types, buckets, max_pos):
+    """`deberta_attention_bwd` (explicit formulas: the CPU backward op) against autograd through
+    `deberta_attention`, every position-term subset, log buckets and plain clamped distances."""
+    q, k, v, cu, pk, pq = _attention_inputs(types, buckets, max_pos)
+    leaves = [t.requires_grad_() for t in (q, k, v, pk, pq) if t is not None]
+    out = ref.deberta_attention(q, k, v, cu, 50, pk, pq, pos_att_type=types, position_buckets=buckets,
+                                max_relative_positions=max_pos, scale=0.2)
+    do = torch.randn_like(out)
+    want = torch.autograd.grad(out, leaves, do)
+    got = RD.deberta_attention_bwd(do, *(t.detach() for t in (q, k, v)), cu, 50,
+                                   *(None if t is None else t.detach() for t in (pk, pq)), buckets, max_pos, 0.2)
+    assert [g is None for g in got[3:]] == [pk is None, pq is None]
+    got = [g for g in got if g is not None]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def test_attention_lse_is_the_log_sum_exp_of_the_scaled_scores_in_log2_units():
+    """`deberta_attention_lse` (the forward kernel's second output, what the backward
+    re-exponentiates): log2(sum_j exp(scale * logit_ij)) per query row and head, the logits one pair
+    at a time; a larger max_seqlen (more grid padding) changes nothing."""
+    types, buckets, max_pos = ("c2p", "p2c"), 4, 6
+    q, k, v, cu, pk, pq = _attention_inputs(types, buckets, max_pos, lengths=(1, 9, 4), K=8)
+    lse = RD.deberta_attention_lse(q, k, cu, 9, pk, pq, buckets, max_pos, 0.3)
+    assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
+    for s in range(3):
+        a, e = int(cu[s]), int(cu[s + 1])
+        for i in range(a, e):
+            logits = torch.stack([pair_logit(q, k, pk, pq, types, buckets, max_pos, i, j) for j in range(a, e)])
+            want = torch.logsumexp(logits * 0.3, 0) / math.log(2)
+            assert (lse[i] - want).abs().max() <= 1e-5
+    assert (RD.deberta_attention_lse(q, k, cu, 20, pk, pq, buckets, max_pos, 0.3) - lse).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("kernel, groups", [(3, 1), (5, 2), (1, 4)])

@@ -17,7 +17,6 @@ from packedenc.convert.gigl import gigl_key, to_gigl
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import flash, reference
 from packedenc.kernels import graph_attention as GA
-from packedenc.models.graph_transformer import forward as FW
 from packedenc.models.graph_transformer import GraphTransformerConfig, encode, init, project_nodes
 from packedenc.pytree import named_leaves, tree_map
 from tests.models.graph_padded import PaddedGraphTransformer, padded_inputs
@@ -156,8 +155,7 @@ def _registered_ops_table():
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("ops", ["reference", "registered"])
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2", "neighbor-geglu-ratio"])
-def test_gradients_match_padded(name, ops, recompute, monkeypatch):
-    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", recompute)
+def test_gradients_match_padded(name, ops, recompute):
     backend = _registered_ops_table() if ops == "registered" else "reference"
     cfg, p = make(name)
     x, cu, kw = inputs(cfg)
@@ -165,7 +163,7 @@ def test_gradients_match_padded(name, ops, recompute, monkeypatch):
     leaves = dict(named_leaves(p))
     p = tree_map(lambda t: t.detach().requires_grad_(), p)
     x = x.clone().requires_grad_()
-    (encode(p, x, cu, **kw, backend=backend) * w).sum().backward()
+    (encode(p, x, cu, **kw, backend=backend, recompute_ffn=recompute) * w).sum().backward()
     m = padded_model(cfg, p)
     xr = x.detach().clone().requires_grad_()
     xp, valid, nt, hops, kf = padded_inputs(xr, cu, kw.get("node_types"), kw.get("hops"), kw.get("key_features"))
@@ -288,21 +286,20 @@ def _saved_numel(fn) -> int:
 
 
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "neighbor-geglu-ratio"])
-def test_ffn_activation_recompute_keeps_gradients_and_saves_memory(name, monkeypatch):
+def test_ffn_activation_recompute_keeps_gradients_and_saves_memory(name):
+    """`encode(..., recompute_ffn=True)`: the same gradients, act(u) not saved for the backward."""
     cfg, p = make(name)
     x, cu, kw = inputs(cfg)
     p = tree_map(lambda t: t.detach().requires_grad_(), p)
     leaves = [t for _, t in named_leaves(p)]
 
-    def grads():
-        out = encode(p, x, cu, **kw, backend="reference")
+    def grads(recompute):
+        out = encode(p, x, cu, **kw, backend="reference", recompute_ffn=recompute)
         return torch.autograd.grad(out.square().sum(), leaves)
 
-    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", True)
-    with_recompute = grads()
-    saved_recompute = _saved_numel(lambda: encode(p, x, cu, **kw, backend="reference"))
-    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", False)
-    plain = grads()
+    with_recompute = grads(True)
+    saved_recompute = _saved_numel(lambda: encode(p, x, cu, **kw, backend="reference", recompute_ffn=True))
+    plain = grads(False)
     saved_plain = _saved_numel(lambda: encode(p, x, cu, **kw, backend="reference"))
     for a, b in zip(with_recompute, plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

@@ -17,7 +17,6 @@ from packedenc.convert.gigl import gigl_key
 from packedenc.kernels import flash, reference
 from packedenc.kernels.triton import attention_op as AT
 from packedenc.models.graph_transformer import encode
-from packedenc.models.graph_transformer import forward as FW
 from packedenc.pytree import named_leaves, tree_map
 from tests.models.test_graph_transformer import inputs, make, padded_forward, padded_model
 
@@ -60,8 +59,7 @@ def _table(attn: str):
     (torch.float32, "auto", True), (torch.bfloat16, "auto", True),
 ])
 @pytest.mark.parametrize("name", ["neighbor-gelu-all", "anchor-gelu-all-l2"])
-def test_gpu_gradients_match_padded(name, dtype, attn, recompute, monkeypatch):
-    monkeypatch.setattr(FW, "RECOMPUTE_FFN_ACTIVATION", recompute)
+def test_gpu_gradients_match_padded(name, dtype, attn, recompute):
     cfg, p = make(name)
     x, cu, kw = inputs(cfg, lengths=[1, 40, 3, 128, 7])
     dev = "cuda"
@@ -76,7 +74,7 @@ def test_gpu_gradients_match_padded(name, dtype, attn, recompute, monkeypatch):
     ref32 = padded_grads(torch.float32)
     ref_lowp = padded_grads(dtype)
     pc = tree_map(lambda t: t.to(dev, dtype).requires_grad_(), p)
-    (encode(pc, x, cu, **kw, backend=_table(attn)).float() * w).sum().backward()
+    (encode(pc, x, cu, **kw, backend=_table(attn), recompute_ffn=recompute).float() * w).sum().backward()
     # Some gradients are exactly zero in exact arithmetic (a key-projection bias shifts every score
     # of a query equally, and softmax ignores that): what remains is the rounding noise of a sum of
     # cancelling bf16 terms, judged against one bf16 unit roundoff (2^-8) of the scale of the

@@ -1,6 +1,10 @@
 """Plain-torch reference of the DeBERTa-v2/v3 ops (disentangled attention, the conv layer's
 varlen conv1d) and HF's log-bucketed relative positions: part of `packedenc.kernels.reference`,
-which re-exports every name here. Same rules: fp32 math, one rounding, the executable spec.
+which re-exports the ops. Same rules: fp32 math, one rounding, the executable spec.
+
+`deberta_attention_bwd` (and `deberta_attention_lse`, the forward kernel's second output) spell out
+the attention's gradient with explicit formulas: the CPU implementation of the registered
+`packedenc::deberta_attention*` ops and the spec the Triton backward is tested against.
 
 Shapes: T packed tokens, S sequences, D hidden, H heads, K head dim, L max_seqlen,
 R = 2 * att_span rows of the relative-position tables, C = D / groups conv input channels.
@@ -12,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["log_bucket_position", "relative_positions", "deberta_attention", "varlen_conv1d"]
+__all__ = ["log_bucket_position", "relative_positions", "deberta_attention", "varlen_conv1d",
+           "deberta_attention_lse", "deberta_attention_bwd"]
+
+LOG2E = 1.4426950408889634
 
 
 def log_bucket_position(rel: Tensor, bucket_size: int, max_position: int) -> Tensor:
@@ -167,3 +174,91 @@ def varlen_conv1d(
     b = None if bias is None else bias.float()
     out_SDL = F.conv1d(g_SDL, weight.float(), b, padding=(k - 1) // 2, groups=groups)
     return out_SDL.transpose(1, 2)[seq_T, pos_T].to(x_TD.dtype)
+
+
+# ---- the attention's gradient, written out -----------------------------------------------------
+
+
+def _grids(cu_seqlens: Tensor, T: int, L: int):
+    """(to_grid, to_packed, key_ok_SL): (T, H, K) <-> (S, H, L, K) fp32 with zeros at the pads."""
+    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+
+    seq_T, pos_T = segment_ids(cu_seqlens, T), positions_from_cu_seqlens(cu_seqlens, T)
+    S = cu_seqlens.numel() - 1
+
+    def grid(x_THK: Tensor) -> Tensor:
+        return _grid(x_THK, seq_T, pos_T, S, L).transpose(1, 2)
+
+    def packed(x_SHLK: Tensor) -> Tensor:
+        return x_SHLK.transpose(1, 2)[seq_T, pos_T]
+
+    lengths_S = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    key_ok_SL = torch.arange(L, device=cu_seqlens.device)[None, :] < lengths_S[:, None]
+    return grid, packed, key_ok_SL
+
+
+def _scores(q, k, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions):
+    """(S, H, L, L) fp32 unscaled scores on the padded grid, key pads -inf, and the (L, L) slots."""
+    T, L = q.shape[0], max_seqlen
+    grid, _, key_ok = _grids(cu_seqlens, T, L)
+    qg, kg = grid(q), grid(k)
+    s = qg @ kg.transpose(-1, -2)
+    slot = None
+    if pk is not None or pq is not None:
+        R = (pk if pk is not None else pq).shape[0]
+        rel = relative_positions(L, position_buckets, max_relative_positions, q.device)
+        slot = torch.clamp(rel + R // 2, 0, R - 1)
+        idx = slot.expand(*s.shape)
+        if pk is not None:
+            s = s + torch.gather(torch.einsum("shik,rhk->shir", qg, pk.float()), -1, idx)
+        if pq is not None:  # key j reads PQ at slot(i - j): gather along j's rows, then transpose
+            s = s + torch.gather(torch.einsum("shjk,rhk->shjr", kg, pq.float()), -1, idx.transpose(-1, -2)
+                                 ).transpose(-1, -2)
+    # Padded query rows see every column (no all -inf row); their gradient is zero anyway.
+    ok = key_ok[:, None, :] | ~key_ok[:, :, None]
+    return s.masked_fill(~ok[:, None], float("-inf")), slot
+
+
+def deberta_attention_lse(q_THK: Tensor, k_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                          pos_key_RHK: Tensor | None, pos_query_RHK: Tensor | None, position_buckets: int,
+                          max_relative_positions: int, scale: float) -> Tensor:
+    """(T, H) fp32 log2-sum-exp2 of scale * log2(e) * scores: the forward kernel's LSE output (the
+    log-sum-exp of the scaled scores in log2 units, what the backward re-exponentiates)."""
+    s, _ = _scores(q_THK, k_THK, cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK, position_buckets,
+                   max_relative_positions)
+    lse = torch.logsumexp(s * scale, -1) * LOG2E  # (S, H, L)
+    return _grids(cu_seqlens, q_THK.shape[0], max_seqlen)[1](lse[..., None])[..., 0].contiguous()
+
+
+def deberta_attention_bwd(do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor,
+                          max_seqlen: int, pos_key_RHK: Tensor | None, pos_query_RHK: Tensor | None,
+                          position_buckets: int, max_relative_positions: int, scale: float):
+    """(dq, dk, dv, dpk, dpq) of `deberta_attention` (None for an absent table), without dropout.
+
+    Explicit formulas, fp32, on the padded (S, H, L, L) grid: O(S L^2) memory, for CPU and tests.
+    With P the softmax and G = P * (dO V^T - rowsum(P * dO V^T)) * scale the gradient of the unscaled
+    scores, dq = G (k + PK[slot]), dk = G^T (q + PQ[slot]), dv = P^T dO, and dPK / dPQ sum G q / G^T k
+    over the pairs that read each table row.
+    """
+    q, k, pk, pq = q_THK, k_THK, pos_key_RHK, pos_query_RHK
+    T, L = q.shape[0], max_seqlen
+    grid, packed, _ = _grids(cu_seqlens, T, L)
+    s, slot = _scores(q, k, cu_seqlens, max_seqlen, pk, pq, position_buckets, max_relative_positions)
+    p = torch.softmax(s * scale, -1)
+    qg, kg, vg, dog = grid(q), grid(k), grid(v_THK), grid(do_THK)
+    dp = dog @ vg.transpose(-1, -2)
+    g = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+    dq, dk, dv = g @ kg, g.transpose(-1, -2) @ qg, p.transpose(-1, -2) @ dog
+    dpk = dpq = None
+    if pk is not None:  # per query row, G summed over the keys sharing a slot
+        gc = torch.zeros(*g.shape[:-1], pk.shape[0], dtype=g.dtype, device=g.device)
+        gc.scatter_add_(-1, slot.expand(*g.shape), g)
+        dq = dq + torch.einsum("shir,rhk->shik", gc, pk.float())
+        dpk = torch.einsum("shir,shik->rhk", gc, qg).to(pk.dtype)
+    if pq is not None:  # per key row j, G summed over the queries sharing a slot
+        gp = torch.zeros(*g.shape[:-1], pq.shape[0], dtype=g.dtype, device=g.device)
+        gp.scatter_add_(-1, slot.transpose(-1, -2).expand(*g.shape), g.transpose(-1, -2))
+        dk = dk + torch.einsum("shjr,rhk->shjk", gp, pq.float())
+        dpq = torch.einsum("shjr,shjk->rhk", gp, kg).to(pq.dtype)
+    dq, dk, dv = (packed(t).to(q.dtype).contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv, dpk, dpq

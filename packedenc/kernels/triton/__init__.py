@@ -2,18 +2,17 @@
 
 One file per fused op: `layer_norm.py` (layer_norm, add_layer_norm, embed_layer_norm),
 `rotary.py`, `glu.py`, `activation.py`, `cross_entropy.py` (linear_cross_entropy),
-`deberta_attention.py` (slots in `deberta_slots.py`, a tile's position terms in `deberta_scores.py`,
-the backward in `deberta_attention_bwd.py` and `deberta_bwd_onepass.py`), `attention.py` (packed
-varlen attention: forward kernel and tiles; `attention_bwd.py` the backward, `attention_op.py` the
-registered op and the varlen_attention / graph_attention entries). Each op is a `torch.library`
-custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
+`graph_readout.py`, `deberta/` (DeBERTa's disentangled attention, a sub-package: slots, scores,
+tiles, forward, backward, op), `attention.py` (packed varlen attention: forward kernel and tiles;
+`attention_bwd.py` the backward, `attention_op.py` the registered op and the varlen_attention /
+graph_attention entries). Each op is a `torch.library` custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
 registered), and the functions registered here have the reference signatures, so the table calls
 either interchangeably.
 """
 
 from packedenc.kernels import register_impl
 from packedenc.kernels.triton import (
-    activation, attention_op, cross_entropy, deberta_attention, glu, layer_norm, rotary,
+    activation, attention_op, cross_entropy, deberta, glu, layer_norm, rotary,
 )
 from packedenc.kernels.triton import graph_readout
 
@@ -24,7 +23,7 @@ for _name, _fn in (
     ("rotary", rotary.rotary),
     ("glu", glu.glu),
     ("activation", activation.activation),
-    ("deberta_attention", deberta_attention.deberta_attention),
+    ("deberta_attention", deberta.deberta_attention),
     ("varlen_attention", attention_op.varlen_attention),  # forward and backward, every input
     ("linear_cross_entropy", cross_entropy.linear_cross_entropy),  # GEMM + in-place loss/grad kernel
     ("graph_readout", graph_readout.graph_readout),  # graph transformer readout, a program per sequence

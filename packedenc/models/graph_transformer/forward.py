@@ -52,14 +52,6 @@ __all__ = ["encode", "project_nodes", "layer", "readout"]
 # pass). The sum is rounded once (x + b + residual in fp32) rather than after the GEMM and again
 # after the add: fp32 results move by fp32 rounding, bf16 ones get slightly closer to fp32.
 
-# True: keep only the FFN's pre-activation for the backward and recompute act(u) there (one
-# elementwise pass over u) instead of also keeping act(u): (T, F) fewer saved elements per layer,
-# 1/4 of a layer's activation memory at ratio 4. Autograd only (torch.func / torch.compile keep
-# both). Off by default: on an H200 (issue-6 train-bf16, commit 20ecc8f) keeping act(u) trained at
-# 5.41M vs 5.18M tok/s for 6.26 vs 5.79 GB, both well under half the padded model's 15.7 GB.
-RECOMPUTE_FFN_ACTIVATION = False
-
-
 def _qkv_weights(p: EncoderLayer) -> tuple[Tensor, Tensor | None]:
     # One (3D, D) GEMM instead of three; concatenating D x D weights costs nothing next to it.
     w = torch.cat([p.query_projection.weight, p.key_projection.weight, p.value_projection.weight])
@@ -101,8 +93,10 @@ class _ActLinear(torch.autograd.Function):
         return next(got) if need_u else None, next(got) if need_b else None, dw, None, None
 
 
-def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops) -> tuple[Tensor, Tensor | None]:
-    """(FFN output without linear_out's bias, that bias): the caller's next norm adds it."""
+def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops,
+         recompute: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(FFN output without linear_out's bias, that bias): the caller's next norm adds it. recompute:
+    under eager autograd save only u and recompute act(u) in the backward (`encode`'s recompute_ffn)."""
     lin_in, out = p.ffn.linear_in, p.ffn.linear_out
     if cfg.is_xglu:  # ops.glu takes no bias: linear_in keeps its bias in the GEMM
         u, bias_in = ops.linear(h_XD, lin_in.weight, lin_in.bias), None
@@ -114,7 +108,7 @@ def _ffn(p: EncoderLayer, h_XD: Tensor, cfg: GraphTransformerConfig, ops: Ops) -
 
         def act(u: Tensor, b: Tensor | None, overwrite_input: bool = False) -> Tensor:
             return ops.activation(u, cfg.activation, overwrite_input=overwrite_input, bias=b)
-    if RECOMPUTE_FFN_ACTIVATION and torch.is_grad_enabled() and _plain_autograd() and (
+    if recompute and torch.is_grad_enabled() and _plain_autograd() and (
             u.requires_grad or (bias_in is not None and bias_in.requires_grad)):
         return _ActLinear.apply(u, bias_in, out.weight, act, ops.linear), out.bias
     # u is this call's own temporary: inference kernels may write act(u + b) over it
@@ -151,6 +145,7 @@ def layer(
     *,
     anchors_only: bool = False,
     delta_bias: Tensor | None = None,
+    recompute_ffn: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One pre-norm encoder layer on the stream `residual + delta + delta_bias`. Pure: returns new tensors.
 
@@ -161,6 +156,7 @@ def layer(
         anchors_only: compute only the first token of every sequence (queries, residual and FFN);
             keys and values still cover all tokens. Returns (S, D) tensors instead of (T, D).
         delta_bias: (D,) the previous block's output bias, not yet added to delta_TD, or None.
+        recompute_ffn: recompute the FFN activation in the backward instead of saving it (`encode`).
     Return:
         (delta, residual, delta_bias): this layer's output is residual + delta + delta_bias, all
         three added (one rounding) by the next `add_layer_norm(..., x_bias=delta_bias)`; a caller
@@ -194,7 +190,7 @@ def layer(
     op, fn = p.output_projection, p.ffn_norm
     a_XD = ops.linear(o_XHK.reshape(X, H * K), op.weight, None)  # op.bias: added by the norm
     h_XD, resid_XD = _add_norm(ops, a_XD, resid_XD, fn, eps, op.bias)
-    f_XD, f_bias = _ffn(p, h_XD, cfg, ops)
+    f_XD, f_bias = _ffn(p, h_XD, cfg, ops, recompute_ffn)
     return f_XD, resid_XD, f_bias
 
 
@@ -330,6 +326,7 @@ def encode(
     return_tokens: bool = False,
     backend: str | Ops = "auto",
     validate: bool = False,
+    recompute_ffn: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One embedding per anchor (sequence) from packed node tokens. Pure; no dropout.
 
@@ -350,6 +347,11 @@ def encode(
             layer then runs on all tokens even with the anchor-only readout.
         backend: "auto", "reference", "flash", ..., or an `Ops` table. validate: check values of
             the inputs even when they live on a GPU (syncs).
+        recompute_ffn: for training with less memory: each layer saves only the FFN's
+            pre-activation u for the backward and recomputes act(u) there (one elementwise pass),
+            (T, ffn_dim) fewer saved elements per layer, 1/4 of a layer's activation memory at FFN
+            ratio 4. Eager autograd only (torch.func and torch.compile save both). Off by default:
+            slower (H200 training: ~4% fewer tokens/s for ~8% less memory; benchmarks/NOTES.md).
     Return:
         (S, out_dim) in the params' dtype; with return_tokens, ((S, out_dim), (T, hid_dim)).
     """
@@ -371,11 +373,11 @@ def encode(
     delta_TD, resid_TD, dbias = None, h_TD, None
     for p in layers[: len(layers) - int(last_anchor_only)]:
         delta_TD, resid_TD, dbias = layer(p, delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops,
-                                          delta_bias=dbias)
+                                          delta_bias=dbias, recompute_ffn=recompute_ffn)
     fnorm, eps = params.final_norm, cfg.norm_eps
     if last_anchor_only:
         delta_SD, resid_SD, dbias = layer(layers[-1], delta_TD, resid_TD, cu_seqlens, max_seqlen, kb_TH, cfg, ops,
-                                          anchors_only=True, delta_bias=dbias)
+                                          anchors_only=True, delta_bias=dbias, recompute_ffn=recompute_ffn)
         out_SD = _add_norm(ops, delta_SD, resid_SD, fnorm, eps, dbias)[0]
         z_TD = None
     else:

@@ -4,7 +4,8 @@ SLOT[d + half] = clamp(bucket(d) + R // 2, 0, R - 1) for every distance |d| <= h
 (buckets, max_relative_positions, R, half, device) on the CPU with `reference.log_bucket_position`
 (op for op HF's `make_log_bucket_position`, float32 CPU math, so the exact float ties land where
 HF's CPU build puts them) and copied to the device once. `saturation` gives the distances beyond
-which every pair of a tile shares one slot (the forward's folded fast path).
+which every pair of a tile shares one slot (the forward's folded fast path). The root of the
+sub-package's imports: every kernel module looks slots up through `_slot`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels import reference
+from packedenc.kernels.reference.deberta import log_bucket_position
 from packedenc.kernels.triton._common import cdiv, next_pow2
 
 __all__ = ["slot_table", "saturation", "launch_tables", "table_slots", "NO_SATURATION", "MIN_TABLE_HALF"]
@@ -29,7 +30,7 @@ def _build_slots(position_buckets: int, max_relative_positions: int, R: int, hal
     """(2 * half + 1,) int32 CPU: SLOT[d + half] = clamp(r(d) + R // 2, 0, R - 1), HF's r, for |d| <= half."""
     d = torch.arange(-half, half + 1, dtype=torch.long)
     if position_buckets > 0 and max_relative_positions > 0:
-        d = reference.log_bucket_position(d, position_buckets, max_relative_positions).long()
+        d = log_bucket_position(d, position_buckets, max_relative_positions).long()
     slots = torch.clamp(d + R // 2, 0, R - 1).to(torch.int32)
     # The kernel's rank-1 shortcut needs slots non-decreasing in d (true of HF's buckets).
     assert bool((slots[1:] >= slots[:-1]).all()), (position_buckets, max_relative_positions)
