@@ -13,6 +13,7 @@ import torch
 from packedenc.kernels.triton import (
     _common, activation, attention_op, cross_entropy, glu, graph_readout, layer_norm, rotary,
 )
+from packedenc.kernels.triton.deberta import op as deberta_op
 from tests.kernels._assert import CPU_LENGTHS, DEVICE, cu_seqlens, positions
 
 
@@ -54,12 +55,14 @@ def _cases(dtype=torch.float32, device=DEVICE):
          (r(T, D), r(1, 2 * D), r(1), cu, max(CPU_LENGTHS)), (0,)),
         ("varlen_attention", attention_op._fwd_eager, torch.ops.packedenc.triton_varlen_attention,
          (r(T, H, K), r(T, H, K), r(T, H, K), cu, max(CPU_LENGTHS), 2, 2, K**-0.5, True), (0,)),
+        ("deberta_attention", deberta_op._deberta_attention_eager, torch.ops.packedenc.deberta_attention,
+         (r(T, H, K), r(T, H, K), r(T, H, K), cu, max(CPU_LENGTHS), r(8, H, K), r(8, H, K), 4, 8, 0.2, None), (0,)),
         ("varlen_attention_fused", attention_op._fwd_eager, torch.ops.packedenc.triton_varlen_attention,
          (r(T, 3, H, K), None, None, cu, max(CPU_LENGTHS), -1, -1, 0.3, True), (0,)),
     ]
 
 
-@pytest.mark.parametrize("i", range(12))
+@pytest.mark.parametrize("i", range(13))
 def test_eager_autograd_equals_the_registered_op(i):
     name, eager, op, args, outputs = _cases()[i]
     got_out, got_grads = _run(eager, _leaves(*args), outputs)
@@ -83,10 +86,11 @@ def test_launch_or_op_takes_the_registered_op_off_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_table_entries_train_through_the_eager_path(dtype):
     """On CUDA with gradients the entries take `eager_autograd` (no custom-op dispatch): same
-    outputs and gradients as the registered ops, bit for bit (the same kernels run)."""
+    outputs and gradients as the registered ops, bit for bit where the kernels are deterministic."""
     for name, eager, op, args, outputs in _cases(dtype, "cuda"):
         assert _common.eager_cuda(*[a for a in args if isinstance(a, torch.Tensor)])
         got_out, got_grads = _run(eager, _leaves(*args), outputs)
         want_out, want_grads = _run(op, _leaves(*args), outputs)
+        exact = name != "deberta_attention"  # its backward sums dq and the tables with fp32 atomics
         for a, b in zip((*got_out, *got_grads), (*want_out, *want_grads)):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(a, b, rtol=0 if exact else 2e-2, atol=0 if exact else 1e-3, msg=name)

@@ -351,7 +351,7 @@ def encode(
             pre-activation u for the backward and recomputes act(u) there (one elementwise pass),
             (T, ffn_dim) fewer saved elements per layer, 1/4 of a layer's activation memory at FFN
             ratio 4. Eager autograd only (torch.func and torch.compile save both). Off by default:
-            slower (H200 training: ~4% fewer tokens/s for ~8% less memory; benchmarks/NOTES.md).
+            slower (H200 training: ~4% fewer tokens/s for ~8% less memory; benchmarks/results/history/NOTES-diary.md).
     Return:
         (S, out_dim) in the params' dtype; with return_tokens, ((S, out_dim), (T, hid_dim)).
     """

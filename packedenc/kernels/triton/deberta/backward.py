@@ -23,7 +23,7 @@ gradient is summed in registers over a run of tiles with the same slot and added
 
 FA2's split (a dq kernel and a dk / dv kernel) recomputes every tile twice; for DeBERTa that
 recompute is the expensive part (a band tile's c2p and p2c each cost a band GEMM and a gather), and
-the one-pass kernel is 1.5x faster on an H200 (benchmarks/NOTES.md). The price: dq and the table
+the one-pass kernel is 1.5x faster on an H200 (benchmarks/results/history/NOTES-diary.md). The price: dq and the table
 gradients are summed in the order the programs finish, so they vary in the last bits from run to
 run, and one (T, H, K) fp32 buffer. Under `torch.use_deterministic_algorithms(True)` the backward
 raises (warns with warn_only=True), as torch's own atomic kernels do.

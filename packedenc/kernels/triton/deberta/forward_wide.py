@@ -16,7 +16,7 @@ The two picks are summed in the gathers' layouts (in the input dtype with LOWP, 
 them: half the bytes of the layout conversion, one more rounding) and enter q @ k^T as its
 accumulator, so each tile converts the position sum to the wgmma layout once and the softmax stays
 in that layout (adding each pick to the scores instead made Triton 3.6 redo the softmax in a second
-layout, 1.3x slower on a doc pack; benchmarks/NOTES.md).
+layout, 1.3x slower on a doc pack; benchmarks/results/history/NOTES-diary.md).
 A band tile costs 5 (M, N, K) GEMMs against 2 for a flash tile (the 32-row kernel: 5 against 2 as
 well), but the 64-row GEMMs run as wgmma (H200: content alone 2.8x faster than through 32 x 32
 tiles) and c2p gathers one chunk per tile.

@@ -5,7 +5,7 @@ Shapes: T packed tokens, S sequences, H heads, K head dim, R position-table rows
 
 `DebertaTiles` holds every option a launcher reads. The launchers take one as `tiles=` and default
 to `TILES`, the values that ship: the measured winners on an H200 with Triton 3.6 (fp16, H = 12,
-K = 64; the sweeps are in `benchmarks/NOTES.md`, the results in `benchmarks/results/deberta_h200.json`).
+K = 64; the sweeps are in `benchmarks/results/history/NOTES-diary.md`, the results in `benchmarks/results/deberta_h200.json`).
 A test passes smaller tiles (16-row tiles keep the CPU interpreter fast) or a small `max_grid_z` (the
 chunked grid of packs with more than 65535 sequences); a benchmark passes the variant it times.
 """

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from packedenc.kernels.reference import deberta as reference
-from packedenc.kernels.triton._common import direct_launch
+from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
 from packedenc.kernels.triton.deberta.backward import deberta_attention_bwd
 from packedenc.kernels.triton.deberta.forward import deberta_attention_fwd
 from packedenc.packing import check_seq_order
@@ -41,7 +41,7 @@ def _deberta_attention(
 
 
 @_deberta_attention.register_kernel("cuda")
-def _(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale,
+def _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale,
       seq_order=None):
     return deberta_attention_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
                                  max_relative_positions, scale, seq_order=seq_order)
@@ -67,7 +67,7 @@ def _deberta_attention_bwd(
 
 
 @_deberta_attention_bwd.register_kernel("cuda")
-def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
+def _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
       scale):
     grads = deberta_attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
                                   position_buckets, max_relative_positions, scale)
@@ -93,13 +93,15 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, cu_seqlens, pos_key, pos_query = ctx.saved_tensors
     max_seqlen, buckets, max_rel, scale = ctx.args
-    dq, dk, dv, dpk, dpq = torch.ops.packedenc.deberta_attention_bwd(
-        do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, buckets, max_rel, scale)
+    dq, dk, dv, dpk, dpq = launch_or_op(_deberta_attention_bwd_cuda, torch.ops.packedenc.deberta_attention_bwd,
+                                        do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, buckets,
+                                        max_rel, scale)
     return (dq, dk, dv, None, None, dpk if pos_key is not None else None, dpq if pos_query is not None else None,
             None, None, None, None)
 
 
 _deberta_attention.register_autograd(_backward, setup_context=_setup)
+_deberta_attention_eager = eager_autograd(_deberta_attention_cuda, _setup, _backward)
 
 
 # ---- the Ops-table entry: the reference signature ----------------------------------------------
@@ -129,7 +131,7 @@ def deberta_attention(
         position_buckets, max_relative_positions, scale: as in the reference.
         seq_order: (S,) int32 permutation from `packing.longest_first(cu_seqlens)`, or None: the
             programs take the sequences in this order (the result does not depend on it). Longest
-            first shortens a ragged batch's last wave (H200, doc1k: benchmarks/NOTES.md).
+            first shortens a ragged batch's last wave (H200, doc1k: benchmarks/results/history/NOTES-diary.md).
     Return:
         (T, H, K) contiguous in q's dtype; fp32 scores and softmax, one rounding. Differentiable in
         q, k, v and both tables (Triton backward on CUDA; dq, dPK and dPQ are fp32 atomics, see
@@ -142,4 +144,6 @@ def deberta_attention(
             max_relative_positions, scale)
     if direct_launch(q_THK, k_THK, v_THK, pos_key_RHK, pos_query_RHK):
         return deberta_attention_fwd(*args, store_lse=False, seq_order=seq_order)[0]
+    if eager_cuda(q_THK, k_THK, v_THK, pos_key_RHK, pos_query_RHK):  # eager training: no dispatcher
+        return _deberta_attention_eager(*args, seq_order)[0]
     return torch.ops.packedenc.deberta_attention(*args, seq_order)[0]
