@@ -23,6 +23,9 @@ __all__ = ["check_cu_seqlens", "check_ids", "check_positions", "check_max_seqlen
            "as_device", "float_dtype"]
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
 def host_values(t: Tensor, validate: bool = False) -> bool:
     """Whether value checks on `t` should run: on the CPU always (no sync), on a GPU when asked;
     never while torch.compile traces (they already ran eagerly at pack time)."""
@@ -81,8 +84,8 @@ def check_ids(ids: Any, vocab_size: int | None = None, *, values: bool = True) -
             f"ids must be 1-D (packed, no padding), got shape {tuple(ids.shape)}; "
             "use packedenc.pack_padded(ids, attention_mask) for a padded batch"
         )
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise InputError(f"ids must be an integer tensor, got {ids.dtype}")
+    if ids.dtype not in _INDEX_DTYPES:  # what embedding lookups take (int16 / uint8 fail inside torch)
+        raise InputError(f"ids must be an int64 or int32 tensor, got {ids.dtype}")
     if ids.numel() == 0:
         raise InputError("empty batch: ids has no tokens")
     if values and vocab_size is not None:
@@ -100,8 +103,8 @@ def check_positions(positions: Any, ids: Tensor, limit: int | None = None, *, va
     every value in [0, limit) (`limit`: the model's position table, None when it has none)."""
     if not isinstance(positions, Tensor):
         raise InputTypeError(f"positions must be a torch.Tensor or None, got {_describe(positions)}")
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-        raise InputError(f"positions must be an integer tensor (int64), got {positions.dtype}")
+    if positions.dtype not in _INDEX_DTYPES:
+        raise InputError(f"positions must be an int64 or int32 tensor, got {positions.dtype}")
     if positions.shape != ids.shape:
         raise InputError(f"positions shape {tuple(positions.shape)} must equal ids shape {tuple(ids.shape)}")
     if positions.device != ids.device:

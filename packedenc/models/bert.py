@@ -27,7 +27,7 @@ from torch import Tensor
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
 from packedenc.kernels.reference import check_activation
-from packedenc.models.common import attention_dropout, check_position_limit, dropout, prepare_inputs
+from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.packing import pool_first
 from packedenc.pytree import Embedding, Linear, Norm, ParamSpec, pytree_dataclass, static, tree_cast
 
@@ -319,14 +319,14 @@ def encode(
         (T, D) in the compute dtype (default: the params' dtype).
     """
     cfg = params.config
+    # max_positions turns an index error deep in F.embedding (or a CUDA assert) into a message.
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
-        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate,
-        max_positions=cfg.max_positions, compute_dtype=compute_dtype,
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate, max_positions=cfg.max_positions,
+        table=f"this {cfg.model_type} model's position table (max_position_embeddings="
+              f"{cfg.max_position_embeddings}" + (f", less pad_token_id + 1 = {cfg.position_offset})"
+                                                  if cfg.position_offset else ")"),
+        compute_dtype=compute_dtype,
     )
-    # Turns an index error deep in F.embedding (or a CUDA assert) into a message, without a sync.
-    check_position_limit(max_seqlen, cfg.max_positions, f"this {cfg.model_type} model's position table "
-                         f"(max_position_embeddings={cfg.max_position_embeddings}"
-                         + (f", less pad_token_id + 1 = {cfg.position_offset})" if cfg.position_offset else ")"))
     if token_type_ids is not None:
         _check_token_types(token_type_ids, ids, cfg, validate)
     if compute_dtype is not None:

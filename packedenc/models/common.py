@@ -25,6 +25,7 @@ def prepare_inputs(
     need_positions: bool = True,
     *,
     max_positions: int | None = None,
+    table: str = "the model's position table",
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, int, Tensor | None]:
     """Check an encode call's inputs once, at entry, and fill in what can be derived.
@@ -34,7 +35,10 @@ def prepare_inputs(
     are on the CPU (free) or when `validate=True` (a device sync); the GPU hot loop never syncs
     unless asked. A missing `max_seqlen` costs one sync. Missing positions are derived only when
     `need_positions` (a model without absolute positions skips those ~8 small kernels).
-    `max_positions` is the size of the model's position table (None: no table, e.g. RoPE).
+    `max_positions` is the size of the model's position table (None: no table, e.g. RoPE), which
+    bounds max_seqlen as well as the positions; `table` describes it in messages. With host values
+    the returned max_seqlen is the true longest sequence (a looser bound would only make the
+    reference ops allocate for it).
     """
     check_ids(ids, vocab_size, values=False)
     check_cu_seqlens(cu_seqlens, values=False)
@@ -54,8 +58,13 @@ def prepare_inputs(
         check_positions(positions, ids, max_positions, values=values)
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if max_seqlen is None or values:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # free on the CPU; one sync otherwise
+        given, max_seqlen = max_seqlen, longest
+    else:
+        given = max_seqlen
+    if max_positions is not None:  # by the caller's bound, so a GPU batch (unread) and a CPU one agree
+        check_position_limit(longest if given is None else given, max_positions, table)
     if positions is None and need_positions:
         positions = positions_from_cu_seqlens(cu_seqlens, ids.numel())
     return ids, cu_seqlens, max_seqlen, positions

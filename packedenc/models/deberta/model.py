@@ -18,7 +18,7 @@ from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
-from packedenc.models.common import attention_dropout, check_position_limit, dropout, prepare_inputs
+from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.models.deberta.config import DebertaConfig
 from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer, SelfAttention
 from packedenc.packing import longest_first, pool_first
@@ -225,10 +225,8 @@ def encode(
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
         ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate, need_positions=table,
         max_positions=cfg.max_position_embeddings if table else None, compute_dtype=compute_dtype,
+        table=f"this model's absolute position embeddings (max_position_embeddings={cfg.max_position_embeddings})",
     )
-    if cfg.position_biased_input:
-        check_position_limit(max_seqlen, cfg.max_position_embeddings, "this model's absolute position "
-                             f"embeddings (max_position_embeddings={cfg.max_position_embeddings})")
     token_type_ids = _check_token_types(token_type_ids, ids, cfg, validate or ids.device.type == "cpu")
     if compute_dtype is not None:
         params = tree_cast(params, compute_dtype)

@@ -310,7 +310,7 @@ def _check_inputs(params: GraphTransformerParams, x: Tensor, cu_seqlens: Tensor,
                             ("hops", hops, cfg.hop_distance_embedding_size)):
             if t is not None and (int(t.min()) < 0 or int(t.max()) >= hi):
                 raise InputError(f"{name} values must lie in [0, {hi}), got [{int(t.min())}, {int(t.max())}]")
-    if max_seqlen is None:
+    if max_seqlen is None or values:  # host values: the true longest (free), never a looser bound
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
