@@ -76,6 +76,7 @@ def write_checkpoint(folder: Path, writers: dict[str, Callable[[Path], Any]], *,
     except BaseException:
         try:  # an exception between swaps (Ctrl-C included): finish them; the temps are complete
             _run_steps(folder, journal["steps"])
+            (folder / JOURNAL).unlink(missing_ok=True)
         except BaseException:
             pass  # the journal stays: load reports the half-swapped folder, the next write finishes it
         raise
@@ -102,6 +103,7 @@ def _write_temps(folder: Path, writers: dict[str, Callable[[Path], Any]]) -> dic
     try:
         for name, write in writers.items():
             tmp = folder / f".{name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}"
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # ours alone; fails early if read-only
             temps[name] = tmp
             write(tmp)
             _fsync(tmp)
