@@ -77,7 +77,9 @@ def message(e: BaseException) -> str:
 def run_command(func: Callable[[Any], int], args: Any, command: str, debug: bool) -> int:
     """Run a subcommand: its return code, or one line on stderr and the exit code of what it raised."""
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit (where Python would print a traceback)
+        return code
     except (Exception, KeyboardInterrupt) as e:
         if debug and not isinstance(e, KeyboardInterrupt):
             traceback.print_exc()

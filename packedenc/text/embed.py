@@ -27,7 +27,7 @@ from packedenc.packing import Packed, token_budget_batches
 from packedenc.text.sentence_transformers import (
     POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
 )
-from packedenc.text.tokenizer import check_texts, encode_texts, packed_from_ids, warn_truncated
+from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, packed_from_ids, warn_truncated
 
 __all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
 
@@ -90,6 +90,8 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
     if prompt is not None and not isinstance(prompt, str):
         raise InputTypeError(f"prompt must be a prompt name or a text, got {type(prompt).__name__}")
+    if prompt is not None:
+        check_unicode("prompt", prompt)
     model = _as_model(model, as_device(device), float_dtype(dtype))
     get_ops(backend, model.device)  # an unknown backend, or one that cannot run there, fails before any work
     modules = _override(model, pooling, normalize)

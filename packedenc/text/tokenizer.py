@@ -31,7 +31,7 @@ import torch
 from packedenc.errors import CheckpointError, InputError, InputTypeError
 from packedenc.packing import Packed, positions_from_cu_seqlens
 
-__all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts"]
+__all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
 
 _HUGE = 10**8  # tokenizer_config's "no limit" is 1e30; anything this large means "not set"
 
@@ -102,7 +102,7 @@ def check_texts(texts: Any) -> list[str]:
         if not isinstance(t, str):
             raise InputTypeError(f"texts[{i}] is a {type(t).__name__}, not a str; convert it (or drop it) first")
         if not t.isascii():  # ASCII is always valid; only other texts can hold a lone surrogate
-            _check_unicode(i, t)
+            check_unicode(f"texts[{i}]", t)
     blank = [i for i, t in enumerate(texts) if not t.strip()]
     if blank:
         raise InputError(
@@ -112,14 +112,14 @@ def check_texts(texts: Any) -> list[str]:
     return texts
 
 
-def _check_unicode(i: int, t: str) -> None:
-    # A lone surrogate ("\ud800", or the "\udcff" Python makes of an undecodable byte in a file name
-    # or argv) is not a character: no tokenizer can encode it.
+def check_unicode(name: str, t: str) -> None:
+    """Raise InputError naming `name` when `t` holds a lone surrogate ("\ud800", or the "\udcff"
+    Python makes of an undecodable byte in argv or a file name): no tokenizer can encode it."""
     try:
         t.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InputError(
-            f"texts[{i}] holds {t[e.start:e.end]!r} at character {e.start}, a lone surrogate that is not valid "
+            f"{name} holds {t[e.start:e.end]!r} at character {e.start}, a lone surrogate that is not valid "
             "Unicode (text decoded with errors='surrogateescape', or cut inside a surrogate pair); decode it "
             "with errors='replace' or drop it"
         ) from None
@@ -212,6 +212,8 @@ def tokenizer(model_or_folder: Any, *, max_length: int | None = None) -> Tokeniz
     Return:
         `Tokenizer`.
     """
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+        raise InputError(f"max_length must be a positive int or None, got {max_length!r}")
     if isinstance(model_or_folder, Tokenizer):
         limit = model_or_folder.max_length
         if max_length is not None and limit is not None and max_length > limit:
