@@ -240,10 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", default="auto", help="auto, reference, triton, flash, cute")
     b.set_defaults(func=cmd_bench)
     cli_shards.add_merge_parser(sub, cmd_merge)
-    for command in sub.choices.values():  # also after the command; SUPPRESS keeps a --debug given before it
+    _add_debug(sub)
+    return p
+
+
+def _add_debug(sub: Any) -> None:
+    """--debug after the command too; SUPPRESS keeps a --debug given before the command."""
+    for command in sub.choices.values():
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="on an error, show the Python traceback too")
-    return p
 
 
 def _warning(message: Any, category: Any, *a: Any, **k: Any) -> None:

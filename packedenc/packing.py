@@ -218,11 +218,16 @@ def unpack(x: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
 
 
 def pad(
-    x: Tensor, cu_seqlens: Tensor, max_seqlen: int | None = None, value: float = 0.0
+    x: Tensor, cu_seqlens: Tensor, max_seqlen: int | None = None, value: float = 0.0, *, validate: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Scatter a packed (T, ...) tensor into (S, L, ...) plus a (S, L) bool mask of real tokens."""
-    _check_packed(x, cu_seqlens, max_seqlen is None, "pad")  # None syncs for the lengths anyway
-    check_max_seqlen(max_seqlen, cu_seqlens if host_values(cu_seqlens) else None)
+    """Scatter a packed (T, ...) tensor into (S, L, ...) plus a (S, L) bool mask of real tokens.
+
+    GPU boundaries are checked when max_seqlen is None (its computation syncs anyway) or with
+    validate=True; CPU ones always.
+    """
+    validate = validate or max_seqlen is None
+    _check_packed(x, cu_seqlens, validate, "pad")
+    check_max_seqlen(max_seqlen, cu_seqlens if host_values(cu_seqlens, validate) else None)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     S, T = cu_seqlens.numel() - 1, x.shape[0]

@@ -176,8 +176,10 @@ def test_pack_arguments():
                                                                 r"integer >= 1, got 0"),
     (lambda c: dict(c, hidden_size="32"), pe.ConfigError, r"config.json: hidden_size must be an integer >= 1, "
                                                           r"got '32' \(str\)"),
-    (lambda c: dict(c, layer_norm_eps="tiny"), pe.ConfigError, r"config.json: layer_norm_eps must be a positive number, got .tiny."),
-    (lambda c: dict(c, hidden_dropout_prob=1.5), pe.ConfigError, r"hidden_dropout_prob must be a number in \[0, 1\), got 1.5"),
+    (lambda c: dict(c, layer_norm_eps="tiny"), pe.ConfigError,
+     r"config.json: layer_norm_eps must be a positive number, got .tiny."),
+    (lambda c: dict(c, hidden_dropout_prob=1.5), pe.ConfigError,
+     r"hidden_dropout_prob must be a number in \[0, 1\), got 1.5"),
     (lambda c: dict(c, hidden_act=None), pe.ConfigError, r"config.json: hidden_act must be a name, got None"),
     (lambda c: dict(c, pad_token_id="x"), pe.ConfigError, r"config.json: pad_token_id must be a token id"),
     (lambda c: dict(c, id2label=[1]), pe.ConfigError, r"config.json: cannot read this bert config \(AttributeError"),
@@ -186,7 +188,8 @@ def test_pack_arguments():
     (lambda c: dict(c, num_hidden_layers=0), pe.CheckpointError, r"unexpected tensor\(s\): \['encoder.layer.0."),
     (lambda c: dict(c, vocab_size=129), pe.CheckpointError, r"c: tensor 'embeddings.word_embeddings.weight' has "
                                                             r"shape \(128, 32\) but the config implies \(129, 32\)"),
-    (lambda c: dict(c, model_type=["bert"]), pe.ConfigError, r"config.json: model_type must be a string such as .bert., got \['bert'\]"),
+    (lambda c: dict(c, model_type=["bert"]), pe.ConfigError,
+     r"config.json: model_type must be a string such as .bert., got \['bert'\]"),
     (lambda c: dict(c, model_type="gpt2"), pe.ConfigError, r"config.json: unsupported model_type 'gpt2'"),
 ])
 def test_bad_config_json_names_the_file_and_field(ckpt, tmp_path, edit, error, message):

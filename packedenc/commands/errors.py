@@ -16,10 +16,11 @@ from typing import Any, Callable
 EXIT_CODES = """exit codes:
   0    success
   1    internal error: a bug (rerun with --debug and report the traceback)
-  2    bad arguments or input: no texts, an empty or invalid text, an unreadable input file, a bad option value
+  2    bad arguments or input: no texts, an empty or invalid text, an unreadable input file, a bad option
+       value, an output path in a folder that does not exist, --device cuda without a GPU
   3    model problem: folder or hub id not found, damaged or unsupported checkpoint or config, no tokenizer
-  4    output not written: output folder missing or read-only, disk full, an existing checkpoint (--overwrite)
-  5    environment problem: a file that cannot be read, out of memory, no GPU, a closed output pipe
+  4    output not written: a read-only output folder, a full disk, a checkpoint there that needs --overwrite
+  5    environment problem: a file that cannot be read, out of memory, a closed output pipe
   130  interrupted (Ctrl-C)
 """
 

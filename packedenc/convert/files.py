@@ -178,8 +178,11 @@ def check_complete(folder: Path) -> None:
         return
     new = [s[1] for s, d in zip(steps, done) if s[0] == "replace" and d]
     old = [s[1] for s, d in zip(steps, done) if s[0] == "replace" and not d]
+    pid = data.get("pid")
+    state = "is still writing it" if isinstance(pid, int) and pid != os.getpid() and _alive(pid) else \
+        "stopped between two file swaps"
     raise CheckpointError(
-        f"{folder} holds a half-finished save (process {data.get('pid')} stopped between two file swaps): "
+        f"{folder} holds a half-finished save (process {pid} {state}): "
         f"{', '.join(new)} {'is' if len(new) == 1 else 'are'} from the new save, {', '.join(old)} from the "
         "old checkpoint. Saving to this folder again finishes the interrupted save (its files are complete "
         f"in the {_TMP}* temp files); or save the params once more"

@@ -1,11 +1,14 @@
 """Hugging Face checkpoints <-> params trees, for every family.
 
-Reading: `model.safetensors.index.json` (sharded) or `model.safetensors`, opened lazily with
-`safe_open(..., device=...)` so each tensor is read once straight to its device; otherwise
-`pytorch_model.bin` with `torch.load(weights_only=True)`. The family's key map (in
+Reading (`convert/reader.py`): `model.safetensors.index.json` (sharded) or `model.safetensors`,
+opened lazily with `safe_open(..., device=...)` so each tensor is read once straight to its device;
+otherwise `pytorch_model.bin` with `torch.load(weights_only=True)`. The family's key map (in
 `convert/hf_<family>.py`) names the HF key(s) of every params leaf; the loader walks
 `params_spec(cfg)` leaf by leaf, so every leaf is set exactly once, and it raises a
-`CheckpointError` naming any missing, unexpected or mis-shaped key.
+`CheckpointError` naming any missing, mis-shaped or non-float tensor, and any unexpected one inside
+the encoder (one outside it, a task head we do not model, is skipped with a warning unless strict).
+Writing (`convert/files.py`): only the checkpoint's own files, each atomically, never a window
+without a checkpoint.
 
 Checkpoint prefixes are discovered, not assumed: none (sentence-transformers backbones),
 `model.` / `deberta.` / `bert.` (task models), or nested (`0.model.`). Heads live one level up,
@@ -111,6 +114,8 @@ def from_state_dict(cfg: Any, tensors: Mapping[str, Tensor] | CheckpointReader, 
     keys; `strict=True` refuses them. `source` names the checkpoint in messages.
     """
     dtype = float_dtype(dtype)
+    if not isinstance(strict, bool):
+        raise InputTypeError(f"strict must be True or False, got {strict!r}")
     if not isinstance(tensors, (Mapping, CheckpointReader)):
         raise InputTypeError(f"tensors must be a dict of HF-named tensors, got {type(tensors).__name__}")
     family = family_for_model_type(cfg.to_hf()["model_type"])
@@ -303,7 +308,8 @@ def _tokenizer_files(src: str | os.PathLike | None, target: Path) -> list[Path]:
         raise InputTypeError(f"copy_tokenizer_from must be a folder path, got {type(src).__name__}")
     path = Path(src).expanduser()
     if not path.is_dir():
-        raise CheckpointError(f"copy_tokenizer_from={str(src)!r}: {'not a folder' if path.exists() else 'no such folder'}")
+        what = "not a folder" if path.exists() else "no such folder"
+        raise CheckpointError(f"copy_tokenizer_from={str(src)!r}: {what}")
     if path.resolve() == target:
         return []  # the tokenizer is already in place
     files = [path / n for n in TOKENIZER_FILES if (path / n).is_file()]

@@ -85,13 +85,7 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         (N, D) float32 CPU tensor, row i for texts[i]; for multi-vector (ColBERT) models a
         `TokenEmbeddings` holding one vector per kept token.
     """
-    texts = check_texts(texts)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if prompt is not None and not isinstance(prompt, str):
-        raise InputTypeError(f"prompt must be a prompt name or a text, got {type(prompt).__name__}")
-    if prompt is not None:
-        check_unicode("prompt", prompt)
+    texts = _check_args(texts, max_tokens, prompt)
     model = _as_model(model, as_device(device), float_dtype(dtype))
     get_ops(backend, model.device)  # an unknown backend, or one that cannot run there, fails before any work
     modules = _override(model, pooling, normalize)
@@ -131,6 +125,17 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         return out
     lengths = torch.tensor([0] + [t.shape[0] for t in per_text])
     return TokenEmbeddings(torch.cat(per_text), torch.cumsum(lengths, 0).to(torch.int32))
+
+
+def _check_args(texts: Any, max_tokens: Any, prompt: Any) -> list[str]:
+    texts = check_texts(texts)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InputTypeError(f"prompt must be a prompt name or a text, got {type(prompt).__name__}")
+    if prompt is not None:
+        check_unicode("prompt", prompt)
+    return texts
 
 
 def _encode(model: SentenceModel, batch: Packed, backend: str) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from packedenc.errors import CheckpointError, ConfigError
+from packedenc.errors import CheckpointError, ConfigError, InputTypeError
 from packedenc.kernels.reference import activation as _activation
 from packedenc.packing import Packed, first_rows, last_rows, max_rows, mean_rows, segment_ids
 from packedenc.pytree import Linear, pytree_dataclass, static, tree_cast, tree_leaves, tree_to
@@ -329,6 +329,9 @@ def load_sentence_transformer(path_or_repo_id: str | os.PathLike, *, device: tor
     from packedenc.hub import resolve
     from packedenc.text.tokenizer import tokenizer
 
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise InputTypeError("load_sentence_transformer() takes a folder or a hub id, got "
+                             f"{type(path_or_repo_id).__name__}")
     root = resolve(path_or_repo_id, revision)
     spec = _modules(root / "modules.json")
     st_cfg = _json(root / "config_sentence_transformers.json")

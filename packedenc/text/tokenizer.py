@@ -260,7 +260,8 @@ def _read_json(path: Path, kind: type = dict) -> Any:
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
     if not isinstance(data, kind):
-        raise CheckpointError(f"{path} must hold a JSON {'object' if kind is dict else 'list'}, got {type(data).__name__}")
+        want = "object" if kind is dict else "list"
+        raise CheckpointError(f"{path} must hold a JSON {want}, got {type(data).__name__}")
     return data
 
 
