@@ -72,7 +72,7 @@ def check_validate(params, batch) -> list[str]:
     }
     failures = []
     for name, change in bad.items():
-        kw = dict(ids=batch.ids, cu_seqlens=batch.cu_seqlens, positions=batch.positions, **change)
+        kw = {**dict(ids=batch.ids, cu_seqlens=batch.cu_seqlens, positions=batch.positions), **change}
         try:
             pe.encode(params, kw["ids"], kw["cu_seqlens"], batch.max_seqlen, kw["positions"], validate=True)
             failures.append(f"{name}: not refused")
