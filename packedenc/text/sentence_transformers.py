@@ -253,10 +253,8 @@ def _json(path: Path, kind: type = dict) -> Any:
 
 def _modules(path: Path) -> list[dict[str, Any]] | None:
     """modules.json: a list of {"type", "path"} objects, or None without the file (a bare HF folder)."""
-    if not path.is_file():
-        return None
-    spec = _json(path, list)
-    for m in spec:
+    spec = _json(path, list) if path.is_file() else None
+    for m in spec or ():
         if not isinstance(m, dict) or not isinstance(m.get("path", ""), str) or ".." in Path(m.get("path", "")).parts:
             raise ConfigError(f"{path}: every module must be an object with a relative \"path\", got {m!r}")
     return spec
