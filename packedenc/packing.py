@@ -8,12 +8,13 @@ sequence `s` occupying `ids[cu_seqlens[s]:cu_seqlens[s + 1]]`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from packedenc.errors import InputError
+from packedenc.checks import as_device, check_cu_seqlens, check_ids, check_max_seqlen, host_values
+from packedenc.errors import InputError, InputTypeError
 from packedenc.pytree import pytree_dataclass, static
 
 __all__ = [
@@ -144,13 +145,18 @@ def pack(
             "pack() takes a list of sequences; for a padded (batch, length) tensor use "
             "pack_padded(ids, attention_mask)"
         )
+    if isinstance(sequences, (str, bytes)) or not hasattr(sequences, "__len__"):
+        raise InputTypeError(f"pack() takes a list of token-id sequences, got {type(sequences).__name__}")
+    device = as_device(device)
     if len(sequences) == 0:
         raise InputError("pack() got an empty batch: pass at least one sequence")
     parts = []
     for i, s in enumerate(sequences):
         try:
+            if isinstance(s, (str, bytes)):
+                raise TypeError(f"got a {type(s).__name__}; tokenize texts with packedenc.pack_texts")
             t = s if isinstance(s, Tensor) else torch.as_tensor(list(s))
-        except (TypeError, ValueError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise InputError(f"sequence {i} is not a list of integer token ids: {e}") from None
         if t.numel() == 0:
             raise InputError(f"sequence {i} is empty: every packed sequence needs at least one token")
@@ -173,6 +179,10 @@ def pack(
 
 def pack_padded(ids: Tensor, attention_mask: Tensor | None = None) -> Packed:
     """Pack a padded (S, L) batch, keeping the tokens where `attention_mask` is 1 (any side)."""
+    if not isinstance(ids, Tensor) or (attention_mask is not None and not isinstance(attention_mask, Tensor)):
+        raise InputTypeError("pack_padded(ids, attention_mask) takes tensors; for lists of ids use pack()")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InputError(f"pack_padded: ids must be an integer tensor, got {ids.dtype}")
     if ids.dim() != 2:
         raise InputError(f"pack_padded expects ids of shape (batch, length), got {tuple(ids.shape)}")
     if attention_mask is None:
@@ -198,15 +208,26 @@ def pack_padded(ids: Tensor, attention_mask: Tensor | None = None) -> Packed:
 
 
 def unpack(x: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
-    """Split a packed (T, ...) tensor into a list of per-sequence views (syncs once for lengths)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    return list(torch.split(x, lengths, dim=0))
+    """Split a packed (T, ...) tensor into a list of per-sequence views (syncs once for lengths,
+    and checks cu_seqlens on those host values)."""
+    _check_packed(x, cu_seqlens, False, "unpack")
+    cu = cu_seqlens.tolist()
+    if cu_seqlens.device.type != "cpu":  # the values are on the host now: checking them is free
+        check_cu_seqlens(torch.tensor(cu), x.shape[0])
+    return list(torch.split(x, [b - a for a, b in zip(cu[:-1], cu[1:])], dim=0))
 
 
 def pad(
-    x: Tensor, cu_seqlens: Tensor, max_seqlen: int | None = None, value: float = 0.0
+    x: Tensor, cu_seqlens: Tensor, max_seqlen: int | None = None, value: float = 0.0, *, validate: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Scatter a packed (T, ...) tensor into (S, L, ...) plus a (S, L) bool mask of real tokens."""
+    """Scatter a packed (T, ...) tensor into (S, L, ...) plus a (S, L) bool mask of real tokens.
+
+    GPU boundaries are checked when max_seqlen is None (its computation syncs anyway) or with
+    validate=True; CPU ones always.
+    """
+    validate = validate or max_seqlen is None
+    _check_packed(x, cu_seqlens, validate, "pad")
+    check_max_seqlen(max_seqlen, cu_seqlens if host_values(cu_seqlens, validate) else None)
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     S, T = cu_seqlens.numel() - 1, x.shape[0]
@@ -219,85 +240,83 @@ def pad(
     return out, mask
 
 
-# ---- checks (host side; sync when the tensors live on a GPU) ----------------------------------
+# ---- checks: `packedenc.checks` (re-exported here, where callers have always found them) ------
 
 
-def check_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, *, values: bool = True) -> None:
-    """Raise InputError unless cu_seqlens is a valid (S+1,) integer boundary vector over `total` tokens.
-
-    `values=False` checks dtype and shape only (no device sync).
-    """
-    if not isinstance(cu_seqlens, Tensor):
-        raise InputError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise InputError(
-            f"cu_seqlens must be a 1-D int32 tensor, got shape {tuple(cu_seqlens.shape)} and "
-            f"dtype {cu_seqlens.dtype}; build it with packedenc.pack(...)"
-        )
-    if cu_seqlens.numel() < 2:
-        raise InputError("empty batch: cu_seqlens needs at least 2 entries ([0, T] for one sequence)")
-    if not values:
-        return
-    cu = cu_seqlens.detach().cpu()
-    if int(cu[0]) != 0:
-        raise InputError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-    diffs = cu[1:] - cu[:-1]
-    if bool((diffs < 0).any()):
-        i = int(torch.nonzero(diffs < 0)[0])
-        raise InputError(
-            f"cu_seqlens must be non-decreasing, but cu_seqlens[{i + 1}]={int(cu[i + 1])} < "
-            f"cu_seqlens[{i}]={int(cu[i])}"
-        )
-    if bool((diffs == 0).any()):
-        i = int(torch.nonzero(diffs == 0)[0])
-        raise InputError(f"sequence {i} is empty (cu_seqlens[{i}] == cu_seqlens[{i + 1}])")
-    if total is not None and int(cu[-1]) != total:
-        raise InputError(
-            f"cu_seqlens must end at the number of packed tokens ({total}), got {int(cu[-1])}"
-        )
-
-
-def check_ids(ids: Tensor, vocab_size: int | None = None, *, values: bool = True) -> None:
-    """Raise InputError unless ids is a 1-D integer tensor with every id in [0, vocab_size)."""
-    if not isinstance(ids, Tensor):
-        raise InputError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.dim() != 1:
-        raise InputError(
-            f"ids must be 1-D (packed, no padding), got shape {tuple(ids.shape)}; "
-            "use packedenc.pack_padded(ids, attention_mask) for a padded batch"
-        )
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise InputError(f"ids must be an integer tensor, got {ids.dtype}")
-    if ids.numel() == 0:
-        raise InputError("empty batch: ids has no tokens")
-    if values and vocab_size is not None:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InputError(
-                f"token id {bad} is outside the vocabulary [0, {vocab_size}); was the batch "
-                "tokenized for another model?"
-            )
+def _check_packed(x: Any, cu_seqlens: Any, validate: bool, what: str) -> None:
+    """Entry check of the functions below: x a tensor with a row per token, cu_seqlens valid over
+    them (values read on the CPU always, on a GPU only with validate=True)."""
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise InputTypeError(f"{what}: x must be a (T, ...) tensor with one row per packed token, got "
+                             f"{type(x).__name__ if not isinstance(x, Tensor) else tuple(x.shape)}")
+    check_cu_seqlens(cu_seqlens, values=False)
+    if cu_seqlens.device != x.device:
+        raise InputError(f"{what}: cu_seqlens is on {cu_seqlens.device} but x on {x.device}; move both")
+    if host_values(cu_seqlens, validate):
+        check_cu_seqlens(cu_seqlens, x.shape[0])
 
 
 # ---- pooling (no Python loop over sequences) --------------------------------------------------
 
 
-def pool_first(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+def pool_first(x: Tensor, cu_seqlens: Tensor, *, validate: bool = False) -> Tensor:
     """(T, D) -> (S, D): each sequence's first token (CLS pooling)."""
-    return x.index_select(0, cu_seqlens[:-1].long())
+    _check_packed(x, cu_seqlens, validate, "pool_first")
+    return first_rows(x, cu_seqlens)
 
 
-def pool_last(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+def pool_last(x: Tensor, cu_seqlens: Tensor, *, validate: bool = False) -> Tensor:
     """(T, D) -> (S, D): each sequence's last token."""
-    return x.index_select(0, cu_seqlens[1:].long() - 1)
+    _check_packed(x, cu_seqlens, validate, "pool_last")
+    return last_rows(x, cu_seqlens)
 
 
-def pool_mean(x: Tensor, cu_seqlens: Tensor, weights: Tensor | None = None) -> Tensor:
+def pool_mean(x: Tensor, cu_seqlens: Tensor, weights: Tensor | None = None, *, validate: bool = False) -> Tensor:
     """(T, D) -> (S, D): mean over each sequence's tokens, in fp32, returned in x's dtype.
 
     `weights` (T,) turns it into a weighted mean (sentence-transformers' weighted-mean pooling).
     """
+    _check_packed(x, cu_seqlens, validate, "pool_mean")
+    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != x.shape[:1]
+                                or weights.device != x.device):
+        raise InputError(f"pool_mean: weights must be a ({x.shape[0]},) tensor on {x.device}, got "
+                         f"{tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__}")
+    return mean_rows(x, cu_seqlens, weights)
+
+
+def pool_max(x: Tensor, cu_seqlens: Tensor, *, validate: bool = False) -> Tensor:
+    """(T, D) -> (S, D): elementwise max over each sequence's tokens."""
+    _check_packed(x, cu_seqlens, validate, "pool_max")
+    return max_rows(x, cu_seqlens)
+
+
+_POOLERS = {"first": pool_first, "cls": pool_first, "mean": pool_mean, "max": pool_max, "last": pool_last}
+
+
+def pool(x: Tensor, cu_seqlens: Tensor, mode: str = "mean", *, validate: bool = False) -> Tensor:
+    """Per-sequence pooling by name: "cls"/"first", "mean", "max" or "last".
+
+    cu_seqlens' values are checked when it is on the CPU; on a GPU only with `validate=True`
+    (a device sync), as for `encode`.
+    """
+    if not isinstance(mode, str) or mode not in _POOLERS:
+        raise InputError(f"unknown pooling {mode!r}; choose one of {sorted(_POOLERS)}")
+    return _POOLERS[mode](x, cu_seqlens, validate=validate)
+
+
+# The unchecked bodies, for callers whose boundaries are already valid (or, after dropping prompt
+# tokens, may hold empty sequences: their mean is 0, as sentence-transformers gives).
+
+
+def first_rows(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    return x.index_select(0, cu_seqlens[:-1].long())
+
+
+def last_rows(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    return x.index_select(0, cu_seqlens[1:].long() - 1)
+
+
+def mean_rows(x: Tensor, cu_seqlens: Tensor, weights: Tensor | None = None) -> Tensor:
     S, T = cu_seqlens.numel() - 1, x.shape[0]
     seq = segment_ids(cu_seqlens, T)
     xf = x.float()
@@ -311,23 +330,11 @@ def pool_mean(x: Tensor, cu_seqlens: Tensor, weights: Tensor | None = None) -> T
     return (total / w).to(x.dtype)
 
 
-def pool_max(x: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """(T, D) -> (S, D): elementwise max over each sequence's tokens."""
+def max_rows(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     S, T = cu_seqlens.numel() - 1, x.shape[0]
     seq = segment_ids(cu_seqlens, T).view(-1, *([1] * (x.dim() - 1))).expand_as(x)
     out = x.new_full((S, *x.shape[1:]), float("-inf"))
     return out.scatter_reduce(0, seq, x, reduce="amax", include_self=False)
-
-
-_POOLERS = {"first": pool_first, "cls": pool_first, "mean": pool_mean, "max": pool_max, "last": pool_last}
-
-
-def pool(x: Tensor, cu_seqlens: Tensor, mode: str = "mean") -> Tensor:
-    """Per-sequence pooling by name: "cls"/"first", "mean", "max" or "last"."""
-    try:
-        return _POOLERS[mode](x, cu_seqlens)
-    except KeyError:
-        raise InputError(f"unknown pooling {mode!r}; choose one of {sorted(_POOLERS)}") from None
 
 
 # ---- token-budget batching --------------------------------------------------------------------
@@ -341,8 +348,10 @@ def token_budget_batches(
     A sequence longer than `max_tokens` gets a batch of its own. Sort by length first to waste
     nothing on imbalance (packed batches have no padding, so the order only matters for caching).
     """
-    if max_tokens <= 0:
-        raise InputError(f"max_tokens must be positive, got {max_tokens}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if max_seqs is not None and (not isinstance(max_seqs, int) or isinstance(max_seqs, bool) or max_seqs <= 0):
+        raise InputError(f"max_seqs must be a positive int or None, got {max_seqs!r}")
     batches: list[list[int]] = []
     cur: list[int] = []
     used = 0

@@ -78,7 +78,9 @@ def test_info_bench_convert_help(tmp_path):
     assert params.embeddings.word_embeddings.weight.dtype == torch.bfloat16
     assert (tmp_path / "copy" / "tokenizer.json").is_file()
     r = packedenc("--help")
-    assert r.returncode == 0 and all(c in r.stdout for c in ("embed", "convert", "info", "bench", "Exit codes"))
+    assert r.returncode == 0 and all(c in r.stdout for c in ("embed", "convert", "info", "bench", "exit codes:"))
+    codes = [line.split()[0] for line in r.stdout.split("exit codes:")[1].splitlines() if line[:4].strip()]
+    assert codes == ["0", "1", "2", "3", "4", "5", "130"]  # every documented code, one line each
 
 
 # ---- error matrix, in process ------------------------------------------------------------------

@@ -208,7 +208,9 @@ def test_input_errors():
     with pytest.raises(pe.InputError, match="1-D"):
         g(torch.ones(2, 3, dtype=torch.long), torch.tensor([0, 6], dtype=torch.int32))
     with pytest.raises(pe.InputError, match="positions shape"):
-        g(torch.ones(3, dtype=torch.long), torch.tensor([0, 3], dtype=torch.int32), 3, torch.zeros(2))
+        g(torch.ones(3, dtype=torch.long), torch.tensor([0, 3], dtype=torch.int32), 3, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(pe.InputError, match="positions must be an int64 or int32 tensor, got torch.float32"):
+        g(torch.ones(3, dtype=torch.long), torch.tensor([0, 3], dtype=torch.int32), 3, torch.zeros(3))
 
 
 def test_config_errors():

@@ -27,7 +27,7 @@ def test_good_input_runs_and_int64_cu_is_accepted():
     (IDS, torch.tensor([0, 2, 4], dtype=torch.int32), "end at the number of packed tokens"),
     (IDS, torch.tensor([0, 2, 2, 5], dtype=torch.int32), "sequence 1 is empty"),
     (IDS, torch.tensor([0], dtype=torch.int32), "empty batch"),
-    (IDS.float(), CU, "integer tensor"),
+    (IDS.float(), CU, "int64 or int32 tensor"),
     (IDS.view(1, -1), CU, "must be 1-D"),
     (torch.tensor([1, 2, 3, 4, 50]), CU, "token id 50 is outside the vocabulary"),
     (torch.tensor([1, -2, 3, 4, 5]), CU, "token id -2 is outside"),

@@ -9,21 +9,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from packedenc.commands.errors import OutputError
 
-class OutputError(Exception):
-    """The output could not be written: exit code 4."""
+__all__ = ["OutputError", "_write_atomic", "_save", "_print_similarities", "_print_ranking"]
 
 
 def _write_atomic(path: str, write: Any) -> None:
-    """Write via a temporary file in the same folder, then rename: no partial file on failure."""
+    """Write via a temporary file in the same folder, then rename: no partial file on failure, and
+    an OSError (read-only folder, disk full) becomes an OutputError naming the file."""
     p = Path(path).resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
-    os.close(fd)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
+        os.close(fd)
         write(tmp)
         os.replace(tmp, p)
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):
             raise OutputError(f"cannot write {path}: {e.strerror or e}") from None
         raise

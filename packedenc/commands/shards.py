@@ -3,9 +3,6 @@
     torchrun --nproc_per_node 8 -m packedenc.cli embed -m MODEL -i corpus.txt --out-dir shards/
     packedenc merge shards/ vectors.npy            # or pass -o vectors.npy to the embed command
 
-The functions take the `packedenc.cli` module as an argument (for its error classes and helpers)
-instead of importing it: under `python -m packedenc.cli` that module is `__main__`, and a second
-import would make a second, uncaught copy of its exception classes.
 """
 
 from __future__ import annotations
@@ -13,8 +10,10 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
+
+from packedenc.commands import inputs
+from packedenc.commands.errors import OutputError, UsageError
 
 SHARDS_HELP = ("write the vectors as resumable shards in DIR (a rerun skips finished shards); under torchrun every "
                "process embeds its share: torchrun --nproc_per_node N -m packedenc.cli embed ... --out-dir DIR. "
@@ -36,24 +35,24 @@ def add_merge_parser(sub: Any, func: Callable[[argparse.Namespace], int]) -> Non
     m.set_defaults(func=func)
 
 
-def embed_sharded(args: argparse.Namespace, texts: list[str], cli: ModuleType) -> int:
+def embed_sharded(args: argparse.Namespace, texts: list[str]) -> int:
     """The body of `packedenc embed --out-dir`; every rank runs it, rank 0 reports."""
     from packedenc.train import distributed as pdist
     from packedenc.text.sharded import embed_to_dir
 
     if args.query or args.colbert_query:
-        raise cli.UsageError("--query / --colbert-query do not combine with --out-dir")
+        raise UsageError("--query / --colbert-query do not combine with --out-dir")
     if args.output is not None and not args.output.endswith(".npy"):
-        raise cli.UsageError(f"-o {args.output}: with --out-dir the merged vectors are a .npy file")
-    cli._check_output(args.output)
-    path = cli._model_path(args.model)
-    name = "all-MiniLM-L6-v2 (bundled)" if path == cli._bundled() else args.model
+        raise UsageError(f"-o {args.output}: with --out-dir the merged vectors are a .npy file")
+    inputs.check_output(args.output)
+    path = inputs.model_path(args.model)
+    name = "all-MiniLM-L6-v2 (bundled)" if path == inputs.bundled() else args.model
     normalize = {"on": True, "off": False, None: None}[args.normalize]
     t0 = time.perf_counter()
     try:
         run = embed_to_dir(path, texts, args.out_dir, shard_size=args.shard_size, max_tokens=args.max_tokens,
                            pooling=args.pooling, normalize=normalize, prompt=args.prompt, max_length=args.max_length,
-                           truncate=not args.no_truncate, device=cli._device(args.device), dtype=cli._dtype(args.dtype),
+                           truncate=not args.no_truncate, device=inputs.device(args.device), dtype=inputs.dtype(args.dtype),
                            progress=not args.no_progress)
         dt = time.perf_counter() - t0
         if pdist.rank() != 0:
@@ -61,7 +60,7 @@ def embed_sharded(args: argparse.Namespace, texts: list[str], cli: ModuleType) -
         print(f"embedded {len(texts)} texts with {name} into {args.out_dir}: {run.shards} shard(s), "
               f"{run.done_before} already done, {run.todo} computed by {pdist.world_size()} process(es) in {dt:.2f}s")
         if args.output:
-            _merge(args.out_dir, args.output, cli)
+            _merge(args.out_dir, args.output)
         return 0
     finally:
         if pdist.is_initialized():
@@ -70,21 +69,21 @@ def embed_sharded(args: argparse.Namespace, texts: list[str], cli: ModuleType) -
             dist.destroy_process_group()
 
 
-def cmd_merge(args: argparse.Namespace, cli: ModuleType) -> int:
+def cmd_merge(args: argparse.Namespace) -> int:
     if not args.output.endswith(".npy"):
-        raise cli.UsageError(f"output {args.output}: use a .npy file")
-    cli._check_output(args.output)
+        raise UsageError(f"output {args.output}: use a .npy file")
+    inputs.check_output(args.output)
     if not Path(args.dir).is_dir():
-        raise cli.UsageError(f"{args.dir} is not a folder: pass the --out-dir of a `packedenc embed` job")
-    _merge(args.dir, args.output, cli)
+        raise UsageError(f"{args.dir} is not a folder: pass the --out-dir of a `packedenc embed` job")
+    _merge(args.dir, args.output)
     return 0
 
 
-def _merge(out_dir: str, output: str, cli: ModuleType) -> None:
+def _merge(out_dir: str, output: str) -> None:
     from packedenc.text.sharded import merge
 
     try:
         arr = merge(out_dir, output)
     except OSError as e:
-        raise cli.OutputError(f"cannot write {output}: {e.strerror or e}") from None
+        raise OutputError(f"cannot write {output}: {e.strerror or e}") from None
     print(f"merged {arr.shape[0]} x {arr.shape[1]} from {out_dir} -> {output}")

@@ -1,4 +1,5 @@
-"""Checkpoints in and out: HF safetensors (`hf.py` + one key map per family) and GiGL (`gigl.py`)."""
+"""Checkpoints in and out: HF safetensors (`hf.py` + one key map per family; `reader.py` reads the
+files, `files.py` writes them safely) and GiGL (`gigl.py`)."""
 
 from packedenc.convert.hf import from_state_dict, load, save, to_state_dict
 

@@ -1,11 +1,14 @@
 """Hugging Face checkpoints <-> params trees, for every family.
 
-Reading: `model.safetensors.index.json` (sharded) or `model.safetensors`, opened lazily with
-`safe_open(..., device=...)` so each tensor is read once straight to its device; otherwise
-`pytorch_model.bin` with `torch.load(weights_only=True)`. The family's key map (in
+Reading (`convert/reader.py`): `model.safetensors.index.json` (sharded) or `model.safetensors`,
+opened lazily with `safe_open(..., device=...)` so each tensor is read once straight to its device;
+otherwise `pytorch_model.bin` with `torch.load(weights_only=True)`. The family's key map (in
 `convert/hf_<family>.py`) names the HF key(s) of every params leaf; the loader walks
 `params_spec(cfg)` leaf by leaf, so every leaf is set exactly once, and it raises a
-`CheckpointError` naming any missing, unexpected or mis-shaped key.
+`CheckpointError` naming any missing, mis-shaped or non-float tensor, and any unexpected one inside
+the encoder (one outside it, a task head we do not model, is skipped with a warning unless strict).
+Writing (`convert/files.py`): only the checkpoint's own files, each atomically, never a window
+without a checkpoint.
 
 Checkpoint prefixes are discovered, not assumed: none (sentence-transformers backbones),
 `model.` / `deberta.` / `bert.` (task models), or nested (`0.model.`). Heads live one level up,
@@ -20,18 +23,21 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
-from packedenc.errors import CheckpointError
+from packedenc.checks import as_device, float_dtype
+from packedenc.convert.files import OWNER_KEY, check_complete, write_checkpoint
+from packedenc.convert.reader import CheckpointReader, read_config
+from packedenc.errors import CheckpointError, CheckpointWarning, ConfigError, InputTypeError, PackedEncError
 from packedenc.models import family_for_model_type, family_of
 from packedenc.pytree import ParamSpec, named_leaves, tree_map_specs
 
-__all__ = ["load", "save", "from_state_dict", "to_state_dict", "CheckpointReader", "read_config"]
+__all__ = ["load", "save", "from_state_dict", "to_state_dict", "CheckpointReader", "read_config", "config_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,8 @@ class KeyMap:
         top_level: leaf-path prefixes that live beside the backbone (heads), not inside it.
         fused: our leaf path suffix -> HF suffixes concatenated along dim 0 to make it.
         ignore: regexes of HF keys (relative to the top) that are read by nobody and are fine to skip.
+        roots: the backbone's top-level module names ("embeddings", "encoder", ...): with no
+            prefix, a key under one of them is the encoder's, whatever the config's layer count.
     """
 
     base_prefix: str
@@ -53,6 +61,7 @@ class KeyMap:
     top_level: tuple[str, ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     ignore: tuple[str, ...] = ()
+    roots: tuple[str, ...] = ()
 
     def hf_names(self, path: str) -> tuple[str, ...]:
         """HF key(s) of a params leaf path, relative to the backbone (or the top for heads)."""
@@ -81,79 +90,6 @@ def _keymap(family_module: Any, cfg: Any = None) -> tuple[KeyMap, Any]:
     return mod.KEYMAP, mod
 
 
-# ---- reading ----------------------------------------------------------------------------------
-
-
-class CheckpointReader:
-    """Lazy access to the tensors of a folder's weights, whatever the file layout."""
-
-    def __init__(self, folder: Path, device: torch.device | str | None = None):
-        self.folder = Path(folder)
-        self.device = "cpu" if device is None else str(torch.device(device))
-        self._where: dict[str, Path] = {}
-        self._bin: dict[str, Tensor] | None = None
-        index = self.folder / "model.safetensors.index.json"
-        single = self.folder / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            for k, f in weight_map.items():
-                self._where[k] = self.folder / f
-            missing = {str(p.name) for p in set(self._where.values()) if not p.is_file()}
-            if missing:
-                raise CheckpointError(f"{index} names shard files that are missing: {sorted(missing)}")
-        elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
-                for k in f.keys():
-                    self._where[k] = single
-        else:
-            bins = sorted(self.folder.glob("pytorch_model*.bin"))
-            if not bins:
-                raise CheckpointError(
-                    f"no weights in {self.folder}: expected model.safetensors, "
-                    "model.safetensors.index.json or pytorch_model.bin"
-                )
-            self._bin = {}
-            for b in bins:
-                try:
-                    sd = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
-                except Exception as e:
-                    raise CheckpointError(f"cannot read {b} with weights_only=True: {e}") from e
-                self._bin.update(sd)
-            self._where = {k: bins[0] for k in self._bin}
-
-    def keys(self) -> list[str]:
-        return list(self._where)
-
-    def get_many(self, keys: Iterable[str]) -> dict[str, Tensor]:
-        """Read `keys`, opening each safetensors file once."""
-        keys = list(keys)
-        if self._bin is not None:
-            return {k: self._bin[k].to(self.device) for k in keys}
-        from safetensors import safe_open
-
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self._where[k], []).append(k)
-        out = {}
-        for path, ks in by_file.items():
-            with safe_open(str(path), framework="pt", device=self.device) as f:
-                for k in ks:
-                    out[k] = f.get_tensor(k)
-        return out
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-
-
 def _find_prefix(keys: list[str], km: KeyMap) -> tuple[str, str]:
     """(backbone prefix, top prefix) found from where the anchor key sits."""
     hits = sorted((k[: -len(km.anchor)] for k in keys if k.endswith(km.anchor)), key=len)
@@ -168,16 +104,25 @@ def _find_prefix(keys: list[str], km: KeyMap) -> tuple[str, str]:
     return base, top
 
 
-def from_state_dict(cfg: Any, tensors: dict[str, Tensor] | CheckpointReader, *,
-                    dtype: torch.dtype | None = None) -> Any:
-    """Build a params tree for config `cfg` from HF-named tensors (a dict or a reader)."""
+def from_state_dict(cfg: Any, tensors: Mapping[str, Tensor] | CheckpointReader, *,
+                    dtype: torch.dtype | None = None, strict: bool = False, source: Any = "checkpoint") -> Any:
+    """Build a params tree for config `cfg` from HF-named tensors (a dict or a reader).
+
+    Tensors inside the encoder that the config does not expect are an error (config and weights
+    disagree). Tensors outside it (task heads packedenc does not model, e.g. `cls.<name>.*` beside
+    `bert.*`) are skipped with a `CheckpointWarning` naming them, as transformers reports unused
+    keys; `strict=True` refuses them. `source` names the checkpoint in messages.
+    """
+    dtype = float_dtype(dtype)
+    if not isinstance(strict, bool):
+        raise InputTypeError(f"strict must be True or False, got {strict!r}")
+    if not isinstance(tensors, (Mapping, CheckpointReader)):
+        raise InputTypeError(f"tensors must be a dict of HF-named tensors, got {type(tensors).__name__}")
     family = family_for_model_type(cfg.to_hf()["model_type"])
     km, kmod = _keymap(family, cfg)
-    keys = tensors.keys() if isinstance(tensors, CheckpointReader) else list(tensors)
-    keys = list(keys)
+    keys = list(tensors.keys())
     base, top = _find_prefix(keys, km)
-    rel_top = {k[len(top):] for k in keys if k.startswith(top)}
-    heads = kmod.detect_heads(rel_top, cfg)
+    heads = kmod.detect_heads({k[len(top):] for k in keys if k.startswith(top)}, cfg)
     spec = family.params_spec(cfg, heads=heads)
 
     wanted: dict[str, tuple[str, ...]] = {}
@@ -188,37 +133,55 @@ def from_state_dict(cfg: Any, tensors: dict[str, Tensor] | CheckpointReader, *,
     missing = sorted(k for ks in wanted.values() for k in ks if k not in present)
     if missing:
         raise CheckpointError(
-            f"checkpoint is missing {len(missing)} tensor(s) the config needs: {missing[:8]}"
+            f"{source} is missing {len(missing)} tensor(s) the config needs: {missing[:8]}"
             f"{' ...' if len(missing) > 8 else ''} (a config flag such as *_bias may disagree with the weights)"
         )
     used = {k for ks in wanted.values() for k in ks}
-    ignore = [re.compile(p) for p in km.ignore]
-    unexpected = sorted(
-        k for k in keys
-        if k not in used and not any(r.fullmatch(k[len(top):] if k.startswith(top) else k) for r in ignore)
-    )
-    if unexpected:
-        raise CheckpointError(
-            f"checkpoint has {len(unexpected)} unexpected tensor(s): {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''} (a config flag may disagree with the weights, or this "
-            "is a different architecture)"
-        )
-    if isinstance(tensors, CheckpointReader):
-        loaded = tensors.get_many(used)
-    else:
-        loaded = {k: tensors[k] for k in used}
+    _check_unused(keys, used, km, base, top, wanted, strict, source)
+    loaded = tensors.get_many(used) if isinstance(tensors, CheckpointReader) else {k: tensors[k] for k in used}
+    for k, t in loaded.items():  # int8 / bool weights would turn encode's output into garbage later
+        if not isinstance(t, Tensor) or t.dtype not in _FLOAT_WEIGHTS:
+            raise CheckpointError(f"{source}: tensor {k!r} is {getattr(t, 'dtype', type(t).__name__)}, not a "
+                                  "floating dtype; quantized or integer weights are not supported")
 
     def build(path: str, s: ParamSpec) -> Tensor:
         parts = [loaded[k] for k in wanted[path]]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
         if tuple(t.shape) != tuple(s.shape):
             raise CheckpointError(
-                f"tensor {wanted[path][0]!r} has shape {tuple(t.shape)} but the config implies "
+                f"{source}: tensor {wanted[path][0]!r} has shape {tuple(t.shape)} but the config implies "
                 f"{tuple(s.shape)} (for params.{path}); config.json and the weights disagree"
             )
         return t if dtype is None else t.to(dtype)
 
     return tree_map_specs(build, spec)
+
+
+_FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_unused(keys: list[str], used: set[str], km: KeyMap, base: str, top: str,
+                  wanted: dict[str, tuple[str, ...]], strict: bool, source: Any) -> None:
+    """Unused tensors: inside the encoder's namespace an error; outside it skipped with a warning."""
+    ignore = [re.compile(p) for p in km.ignore]
+    unused = sorted(k for k in keys if k not in used
+                    and not any(r.fullmatch(k[len(top):] if k.startswith(top) else k) for r in ignore))
+    # The encoder's namespace: everything under a backbone prefix ("bert."); without one, the
+    # top-level modules the encoder's own keys start with ("embeddings", "encoder", ...).
+    roots = {k[len(base):].split(".", 1)[0] for p, ks in wanted.items() if not km.is_top_level(p) for k in ks}
+    roots |= set(km.roots)
+    inside = [k for k in unused if (k.startswith(base) if base else k.split(".", 1)[0] in roots)]
+    outside = [k for k in unused if k not in inside]
+    if inside or (outside and strict):
+        bad = inside or outside
+        why = ("a config flag may disagree with the weights, or this is a different architecture" if inside
+               else "tensors outside the encoder, refused because strict=True")
+        raise CheckpointError(f"{source} has {len(bad)} unexpected tensor(s): {bad[:8]}"
+                              f"{' ...' if len(bad) > 8 else ''} ({why})")
+    if outside:
+        warnings.warn(f"{source}: skipped {len(outside)} tensor(s) outside the encoder that packedenc does not "
+                      f"model (task heads): {outside[:8]}{' ...' if len(outside) > 8 else ''}; pass strict=True "
+                      "to refuse them", CheckpointWarning, stacklevel=4)
 
 
 def to_state_dict(params: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -247,57 +210,110 @@ def to_state_dict(params: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 
 def load(path_or_repo_id: str | os.PathLike, *, revision: str | None = None,
-         dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Any:
+         dtype: torch.dtype | None = None, device: torch.device | str | None = None, strict: bool = False) -> Any:
     """Load a params tree from a local folder or a hub id.
 
     Arguments:
         path_or_repo_id: folder with config.json + weights, or a hub id ("answerdotai/ModernBERT-base").
-        revision: hub branch / tag / commit. dtype: cast floating leaves (default: as stored).
-        device: where the tensors are read to (safetensors reads straight to a CUDA device).
+        revision: hub branch / tag / commit. dtype: cast floating leaves (default: as stored); a
+            floating torch.dtype. device: where the tensors are read to (safetensors reads straight
+            to a CUDA device).
+        strict: refuse tensors outside the encoder (task heads packedenc does not model) instead of
+            skipping them with a `CheckpointWarning`. Unexpected tensors inside the encoder are
+            always an error.
     Return:
         the family's params tree, with its config carried as static metadata.
     """
     from packedenc.hub import resolve
 
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise InputTypeError(f"load() takes a folder or a hub id, got {type(path_or_repo_id).__name__}")
+    if revision is not None and not isinstance(revision, str):
+        raise InputTypeError(f"revision must be a str (branch, tag or commit), got {revision!r}")
+    dtype, device = float_dtype(dtype), as_device(device)
     folder = resolve(path_or_repo_id, revision)
-    cfg_dict = read_config(folder)
-    family = family_for_model_type(cfg_dict.get("model_type"))
-    cfg = family.config_from_hf(cfg_dict)
-    return from_state_dict(cfg, CheckpointReader(folder, device), dtype=dtype)
+    check_complete(folder)
+    cfg = config_of(folder, read_config(folder))
+    return from_state_dict(cfg, CheckpointReader(folder, device), dtype=dtype, strict=strict, source=folder)
 
 
-def save(params: Any, folder: str | os.PathLike, *, copy_tokenizer_from: str | os.PathLike | None = None) -> Path:
-    """Write an HF-compatible folder (config.json + model.safetensors) that transformers loads.
+def config_of(folder: Path, cfg_dict: dict[str, Any]) -> Any:
+    """The family config of a config.json dict; every error names the file."""
+    path = Path(folder) / "config.json"
+    model_type = cfg_dict.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{path}: model_type must be a string such as \"bert\", got {model_type!r}")
+    try:
+        family = family_for_model_type(model_type)
+        return family.config_from_hf(cfg_dict)
+    except PackedEncError as e:
+        raise type(e)(f"{path}: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, IndexError) as e:
+        raise ConfigError(f"{path}: cannot read this {cfg_dict.get('model_type')} config "
+                          f"({type(e).__name__}: {e}); a field has a value of the wrong type") from e
 
-    The files are written into a temporary sibling folder which then replaces `folder`, so a
-    failure never leaves a half-written checkpoint behind. `copy_tokenizer_from` copies tokenizer
-    files from another folder (e.g. the one the params were loaded from).
+
+# What a model's tokenizer is made of (fast tokenizers: tokenizer.json; slow ones: a vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spm.model", "sentencepiece.bpe.model",
+                   "tokenizer.model")
+
+
+def save(params: Any, folder: str | os.PathLike, *, copy_tokenizer_from: str | os.PathLike | None = None,
+         overwrite: bool = False) -> Path:
+    """Write an HF-compatible checkpoint (config.json + model.safetensors) that transformers loads.
+
+    Only those files (and the tokenizer files when asked) are written, each through a temp file in
+    the same folder and an atomic rename, weights first and config.json last; a crash at any moment
+    leaves a checkpoint that loads (the old or the new one) or one that `load` reports as
+    half-finished by name, never none. Everything else in the folder (a sentence-transformers
+    folder's modules.json, Pooling/, README...) is kept. An old sharded index is removed with its
+    shards, since it would hide the new weights.
+
+    Arguments:
+        params: a params tree (`load`, `init`). folder: the target folder (created if missing).
+        copy_tokenizer_from: a folder whose tokenizer files are copied in too (they replace the
+            target's tokenizer files); it must hold some.
+        overwrite: replace a checkpoint that packedenc did not write (one it wrote is replaced anyway).
+    Return:
+        the folder, resolved.
     """
     from safetensors.torch import save_file
 
+    if not isinstance(folder, (str, os.PathLike)) or not str(folder):
+        raise InputTypeError(f"save() needs a folder path, got {folder!r}")
+    if not isinstance(overwrite, bool):
+        raise InputTypeError(f"overwrite must be True or False, got {overwrite!r}")
     folder = Path(folder).expanduser().resolve()
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder} exists and is not a folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
     sd, cfg_dict = to_state_dict(params)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
-        if copy_tokenizer_from is not None:
-            src = Path(copy_tokenizer_from)
-            for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.txt", "spm.model", "merges.txt"):
-                for f in src.glob(pattern):
-                    shutil.copy2(f, tmp / f.name)
-        old = None
-        if folder.exists():
-            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            folder.rename(old)
-        tmp.rename(folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    tok = _tokenizer_files(copy_tokenizer_from, folder)
+    sd = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+    writers = {"model.safetensors": lambda p: save_file(sd, str(p), metadata={"format": "pt", OWNER_KEY: "1"})}
+    for f in tok:
+        writers[f.name] = lambda p, f=f: shutil.copyfile(f, p)
+    text = json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n"
+    writers["config.json"] = lambda p: p.write_text(text, encoding="utf-8")
+    shadows = tuple(n for n in TOKENIZER_FILES if n not in writers) if tok else ()
+    write_checkpoint(folder, writers, overwrite=overwrite, shadows=shadows)
     return folder
+
+
+def _tokenizer_files(src: str | os.PathLike | None, target: Path) -> list[Path]:
+    """The tokenizer files to copy from `src` ([] when None or when it is the target itself)."""
+    if src is None:
+        return []
+    if not isinstance(src, (str, os.PathLike)):
+        raise InputTypeError(f"copy_tokenizer_from must be a folder path, got {type(src).__name__}")
+    path = Path(src).expanduser()
+    if not path.is_dir():
+        what = "not a folder" if path.exists() else "no such folder"
+        raise CheckpointError(f"copy_tokenizer_from={str(src)!r}: {what}")
+    if path.resolve() == target:
+        return []  # the tokenizer is already in place
+    files = [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    if not files:
+        raise CheckpointError(f"copy_tokenizer_from={str(src)!r} holds no tokenizer files (looked for "
+                              f"{', '.join(TOKENIZER_FILES)})")
+    return files

@@ -33,6 +33,7 @@ BERT_KEYMAP = KeyMap(
     ),
     top_level=("mlm", "classifier"),
     fused=_FUSED,
+    roots=("embeddings", "encoder", "pooler"),
     ignore=_IGNORE + (r"cls\.predictions\.decoder\.(weight|bias)", r"cls\.seq_relationship\..*"),
 )
 
@@ -47,6 +48,7 @@ ROBERTA_KEYMAP = KeyMap(
     ),
     top_level=("mlm", "classifier"),
     fused=_FUSED,
+    roots=("embeddings", "encoder", "pooler"),
     ignore=_IGNORE + (r"lm_head\.decoder\.(weight|bias)",),
 )
 

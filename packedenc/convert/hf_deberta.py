@@ -25,6 +25,7 @@ KEYMAP = KeyMap(
         ("layer_norm", "LayerNorm"),
     ),
     top_level=("pooler", "classifier", "lm_predictions", "cls"),
+    roots=("embeddings", "encoder"),
     fused=(
         ("attention.qkv.weight", tuple(f"attention.{n}.weight" for n in _QKV)),
         ("attention.qkv.bias", tuple(f"attention.{n}.bias" for n in _QKV)),

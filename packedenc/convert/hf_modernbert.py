@@ -17,6 +17,7 @@ KEYMAP = KeyMap(
     anchor="embeddings.tok_embeddings.weight",
     rename=(("wqkv", "Wqkv"), ("wo", "Wo"), ("wi", "Wi")),
     top_level=("head", "decoder", "classifier"),
+    roots=("embeddings", "layers", "final_norm"),
     # decoder.weight: tied copy of the embeddings; rotary inv_freq: buffers some exports keep.
     ignore=(r"decoder\.weight", r"(.*\.)?rotary_emb\..*inv_freq"),
 )

@@ -34,11 +34,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from packedenc.checks import (
+    as_device, check_cu_seqlens, check_ids, check_max_seqlen, check_positions, host_values,
+)
 from packedenc.cudagraphs.buckets import (
     Bucket, checked_buckets, default_seq_buckets, default_token_buckets, fill_padded, pad_batch, plan_bucket,
 )
 from packedenc.errors import ConfigError, InputError
-from packedenc.packing import check_cu_seqlens, check_ids
+from packedenc.kernels import get_ops
 
 __all__ = ["graphed", "GraphedEncode", "Bucket", "plan_bucket", "pad_batch", "fill_padded",
            "default_token_buckets", "default_seq_buckets"]
@@ -128,27 +131,9 @@ class GraphedEncode:
         Return:
             (T, ...) the encode's output for the real tokens (a fresh tensor, not a view of a buffer).
         """
-        check_ids(ids, values=False)
-        check_cu_seqlens(cu_seqlens, values=False)
+        max_seqlen = self._check_call(ids, cu_seqlens, max_seqlen, positions, validate)
         T, S = ids.numel(), cu_seqlens.numel() - 1
-        if not self.fits(T, S):
-            raise InputError(
-                f"batch of {T} tokens in {S} sequences exceeds this graphed encode's budget "
-                f"(max_tokens={self.max_tokens}, max_seqs={self.max_seqs}); split it with "
-                "packedenc.token_budget_batches(lengths, max_tokens, max_seqs), build a graphed "
-                "encode with a larger budget, or call packedenc.encode for big batches"
-            )
-        if positions is not None and positions.shape != ids.shape:
-            raise InputError(f"positions shape {tuple(positions.shape)} must equal ids shape {tuple(ids.shape)}")
-        if validate or max_seqlen is None:
-            true_max = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # the one sync
-            if validate:
-                check_cu_seqlens(cu_seqlens, T)
-                check_ids(ids, self.vocab_size)
-                if max_seqlen is not None and max_seqlen < true_max:
-                    raise InputError(f"max_seqlen={max_seqlen} is smaller than the longest sequence ({true_max})")
-            max_seqlen = true_max if max_seqlen is None else max_seqlen
-        bucket = self.bucket_for(T, S, int(max_seqlen), positions is not None)
+        bucket = self.bucket_for(T, S, max_seqlen, positions is not None)
         # Buffers are ordinary tensors even when the caller is in inference mode, so a later
         # call outside it can still write them; grad is off because replays are inference only.
         with torch.inference_mode(False), torch.no_grad():
@@ -170,6 +155,33 @@ class GraphedEncode:
             return entry.out[:T].clone()
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _check_call(self, ids: Tensor, cu_seqlens: Tensor, max_seqlen: int | None, positions: Tensor | None,
+                    validate: bool) -> int:
+        """The call's checks, once, at entry: metadata always; values of host tensors always, of
+        device tensors with validate=True (one sync). Return: max_seqlen (None costs one sync)."""
+        check_ids(ids, values=False)
+        check_cu_seqlens(cu_seqlens, values=False)
+        if cu_seqlens.device != ids.device:
+            raise InputError(f"cu_seqlens is on {cu_seqlens.device} but ids on {ids.device}; move both")
+        T, S = ids.numel(), cu_seqlens.numel() - 1
+        if not self.fits(T, S):
+            raise InputError(
+                f"batch of {T} tokens in {S} sequences exceeds this graphed encode's budget "
+                f"(max_tokens={self.max_tokens}, max_seqs={self.max_seqs}); split it with "
+                "packedenc.token_budget_batches(lengths, max_tokens, max_seqs), build a graphed "
+                "encode with a larger budget, or call packedenc.encode for big batches"
+            )
+        values = host_values(ids, validate)
+        if positions is not None:
+            check_positions(positions, ids, values=values)
+        if values:
+            check_cu_seqlens(cu_seqlens, T)
+            check_ids(ids, self.vocab_size)
+        check_max_seqlen(max_seqlen, cu_seqlens if values else None)
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # the one sync
+        return max_seqlen
 
     def _new_entry(self, bucket: Bucket) -> _Entry:
         dev = self.device
@@ -285,6 +297,11 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
     Return:
         a `GraphedEncode`; call it like `encode(ids, cu_seqlens, max_seqlen, positions)`.
     """
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ConfigError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(pad_id, int) or isinstance(pad_id, bool):
+        raise ConfigError(f"pad_id must be an int token id, got {pad_id!r}")
+    device = as_device(device)
     vocab_size = None
     if callable(target):
         if backend != "auto":
@@ -307,6 +324,8 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
         device = torch.device("cuda", torch.cuda.current_device())
     if vocab_size is not None and not 0 <= pad_id < vocab_size:
         raise ConfigError(f"pad_id {pad_id} is outside the vocabulary [0, {vocab_size})")
+    if not callable(target):
+        get_ops(backend, device)  # an unknown backend, or one that cannot run on this device, fails now
     return GraphedEncode(fn, device=device, max_tokens=max_tokens, max_seqs=max_seqs,
                          token_buckets=token_buckets, seq_buckets=seq_buckets, max_graphs=max_graphs,
                          warmup=warmup, pad_id=pad_id, capture=capture, vocab_size=vocab_size)

@@ -188,6 +188,9 @@ def _choose_all(backend: str, device_type: str) -> tuple[tuple[str, str], ...]:
     if key in _CHOSEN:
         return _CHOSEN[key]
     device = torch.device(device_type)
+    if backend not in ("auto", "reference") and device.type != "cuda":  # never a silent reference run
+        raise ConfigError(f"backend={backend!r} runs on CUDA tensors, but these are on {device_type}; use "
+                          "backend='auto' (the reference on the CPU) or 'reference', or move the inputs to a GPU")
     if backend not in ("auto", "reference") and device.type == "cuda" and not _load_backend(backend):
         why = _IMPORT_ERRORS.get(backend, "it registers no op")
         raise ConfigError(f"backend {backend!r} is not available on this machine ({why})")

@@ -7,8 +7,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packedenc.errors import ConfigError, InputError
-from packedenc.packing import check_cu_seqlens, check_ids, positions_from_cu_seqlens
+from packedenc.checks import (
+    check_cu_seqlens, check_ids, check_max_seqlen, check_positions, float_dtype, host_values,
+)
+from packedenc.errors import ConfigError, InputError, InputTypeError
+from packedenc.packing import positions_from_cu_seqlens
 from packedenc.pytree import ParamSpec, tree_map_specs
 
 
@@ -20,35 +23,62 @@ def prepare_inputs(
     vocab_size: int | None,
     validate: bool,
     need_positions: bool = True,
+    *,
+    max_positions: int | None = None,
+    table: str = "the model's position table",
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, int, Tensor | None]:
-    """Check an encode call's inputs and fill in what can be derived.
+    """Check an encode call's inputs once, at entry, and fill in what can be derived.
 
-    Dtype/shape checks always run. Value checks (range of ids, monotone cu_seqlens) run when the
-    tensors are on the CPU (free) or when `validate=True` (one device sync); the GPU hot loop
-    never syncs unless asked. A missing `max_seqlen` costs one sync. Missing positions are derived
-    only when `need_positions` (a model without absolute positions skips those ~8 small kernels).
+    Type/dtype/shape/device checks always run (metadata only). Value checks (range of ids and
+    positions, monotone cu_seqlens, max_seqlen against the longest sequence) run when the tensors
+    are on the CPU (free) or when `validate=True` (a device sync); the GPU hot loop never syncs
+    unless asked. A missing `max_seqlen` costs one sync. Missing positions are derived only when
+    `need_positions` (a model without absolute positions skips those ~8 small kernels).
+    `max_positions` is the size of the model's position table (None: no table, e.g. RoPE), which
+    bounds max_seqlen as well as the positions; `table` describes it in messages. With host values
+    the returned max_seqlen is the true longest sequence (a looser bound would only make the
+    reference ops allocate for it).
     """
     check_ids(ids, vocab_size, values=False)
     check_cu_seqlens(cu_seqlens, values=False)
     if cu_seqlens.device != ids.device:
         raise InputError(f"cu_seqlens is on {cu_seqlens.device} but ids on {ids.device}; move both")
+    if not isinstance(validate, bool):
+        raise InputTypeError(f"validate must be True or False, got {validate!r}")
+    float_dtype(compute_dtype, "compute_dtype")
     # Under torch.compile the value checks would be data-dependent branches (graph breaks);
     # they already ran eagerly when the batch was packed, and validate=True still forces them.
-    values = validate or (ids.device.type == "cpu" and not torch.compiler.is_compiling())
+    values = host_values(ids, validate)
     if values:
         check_ids(ids, vocab_size)
         check_cu_seqlens(cu_seqlens, ids.numel())
+    check_max_seqlen(max_seqlen, cu_seqlens if values else None)
+    if positions is not None:
+        check_positions(positions, ids, max_positions, values=values)
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    elif values and max_seqlen < int((cu_seqlens[1:] - cu_seqlens[:-1]).max()):
-        raise InputError(f"max_seqlen={max_seqlen} is smaller than the longest sequence")
-    if positions is None:
-        positions = positions_from_cu_seqlens(cu_seqlens, ids.numel()) if need_positions else None
-    elif positions.shape != ids.shape:
-        raise InputError(f"positions shape {tuple(positions.shape)} must equal ids shape {tuple(ids.shape)}")
-    return ids, cu_seqlens, int(max_seqlen), positions
+    if max_seqlen is None or values:
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # free on the CPU; one sync otherwise
+        given, max_seqlen = max_seqlen, longest
+    else:
+        given = max_seqlen
+    if max_positions is not None:  # by the caller's bound, so a GPU batch (unread) and a CPU one agree
+        check_position_limit(longest if given is None else given, max_positions, table)
+    if positions is None and need_positions:
+        positions = positions_from_cu_seqlens(cu_seqlens, ids.numel())
+    return ids, cu_seqlens, max_seqlen, positions
+
+
+def check_position_limit(max_seqlen: int, limit: int, what: str) -> None:
+    """Raise InputError when sequences may be longer than the model's position table. `max_seqlen`
+    is a host int (an upper bound on the longest sequence), so this never syncs."""
+    if max_seqlen > limit:
+        raise InputError(
+            f"max_seqlen={max_seqlen}, but {what} allows sequences of at most {limit} tokens; truncate or "
+            "split longer sequences (packedenc.pack_texts truncates to the model limit), and pass a "
+            f"max_seqlen of at most {limit}"
+        )
 
 
 def init_from_spec(spec: Any, std: float, generator: torch.Generator | None, dtype: torch.dtype) -> Any:

@@ -320,7 +320,7 @@ def encode(
     """
     cfg = params.config
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
-        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate, compute_dtype=compute_dtype
     )
     if compute_dtype is not None:
         params = tree_cast(params, compute_dtype)

@@ -20,12 +20,14 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from packedenc.errors import ConfigError, InputError
+from packedenc.errors import ConfigError, InputError, InputTypeError
+from packedenc.checks import as_device, float_dtype
+from packedenc.kernels import get_ops
 from packedenc.packing import Packed, token_budget_batches
 from packedenc.text.sentence_transformers import (
     POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
 )
-from packedenc.text.tokenizer import check_texts, encode_texts, packed_from_ids, warn_truncated
+from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, packed_from_ids, warn_truncated
 
 __all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
 
@@ -76,14 +78,16 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         max_length: tokens per text, special tokens included (default: the model's limit).
         truncate: cut longer texts (one `TruncationWarning` with the count) or raise `InputError`.
         backend: kernel backend for the backbone ("auto", "reference", ...).
+    Every batch is checked as it is packed, on the host (token ids against the model's vocabulary,
+    lengths against its limit), so the device never sees an id it cannot embed and no check reads
+    GPU data.
     Return:
         (N, D) float32 CPU tensor, row i for texts[i]; for multi-vector (ColBERT) models a
         `TokenEmbeddings` holding one vector per kept token.
     """
-    texts = check_texts(texts)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    model = _as_model(model, device, dtype)
+    texts = _check_args(texts, max_tokens, prompt)
+    model = _as_model(model, as_device(device), float_dtype(dtype))
+    get_ops(backend, model.device)  # an unknown backend, or one that cannot run there, fails before any work
     modules = _override(model, pooling, normalize)
     n = len(texts)
     out: Tensor | None = None
@@ -123,6 +127,17 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
     return TokenEmbeddings(torch.cat(per_text), torch.cumsum(lengths, 0).to(torch.int32))
 
 
+def _check_args(texts: Any, max_tokens: Any, prompt: Any) -> list[str]:
+    texts = check_texts(texts)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+        raise InputError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InputTypeError(f"prompt must be a prompt name or a text, got {type(prompt).__name__}")
+    if prompt is not None:
+        check_unicode("prompt", prompt)
+    return texts
+
+
 def _encode(model: SentenceModel, batch: Packed, backend: str) -> Tensor:
     from packedenc.models import encode
 
@@ -137,7 +152,7 @@ def _as_model(model: Any, device: torch.device | str | None, dtype: torch.dtype 
         if device is not None and torch.device(device) != model.device:
             model = model.to(device)
         return model if dtype is None else model.to(dtype=dtype)
-    raise TypeError(
+    raise InputTypeError(
         f"embed() needs a model folder, a hub id or a SentenceModel, got {type(model).__name__}; a params "
         "tree has no tokenizer: use packedenc.load_sentence_transformer(folder) or pass the folder"
     )

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from packedenc.errors import CheckpointError, ConfigError
+from packedenc.errors import CheckpointError, ConfigError, InputTypeError
 from packedenc.kernels.reference import activation as _activation
-from packedenc.packing import Packed, pool_first, pool_last, pool_max, pool_mean, segment_ids
+from packedenc.packing import Packed, first_rows, last_rows, max_rows, mean_rows, segment_ids
 from packedenc.pytree import Linear, pytree_dataclass, static, tree_cast, tree_leaves, tree_to
 
 __all__ = ["Pooling", "Dense", "Normalize", "SkipTokens", "SentenceModel", "load_sentence_transformer",
@@ -170,20 +170,20 @@ def pool(hidden_TD: Tensor, cu_seqlens: Tensor, pooling: Pooling, prompt_length:
     for mode in pooling.modes:
         if mode == "cls":
             # ST's cls with a prompt excluded takes the first token after the prompt.
-            out.append(pool_first(x_TD, cu) if x_TD is not hidden_TD else pool_first(hidden_TD, cu_seqlens))
+            out.append(first_rows(x_TD, cu) if x_TD is not hidden_TD else first_rows(hidden_TD, cu_seqlens))
         elif mode == "lasttoken":
-            out.append(pool_last(hidden_TD, cu_seqlens))
+            out.append(last_rows(hidden_TD, cu_seqlens))
         elif mode == "max":
-            out.append(pool_max(x_TD, cu))
+            out.append(max_rows(x_TD, cu))
         elif mode == "mean":
-            out.append(pool_mean(x_TD, cu))
+            out.append(mean_rows(x_TD, cu))
         elif mode == "mean_sqrt_len_tokens":
             seq = segment_ids(cu, x_TD.shape[0])
             total = torch.zeros(cu.numel() - 1, x_TD.shape[1], device=x_TD.device).index_add(0, seq, x_TD.float())
             n = (cu[1:] - cu[:-1]).to(torch.float32).clamp_min(1e-9)
             out.append((total / n.sqrt()[:, None]).to(x_TD.dtype))
         elif mode == "weightedmean":
-            out.append(pool_mean(x_TD, cu, weights=weights_T))
+            out.append(mean_rows(x_TD, cu, weights_T))
         else:
             raise ConfigError(f"unknown pooling mode {mode!r}; choose from {POOLING_MODES}")
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
@@ -238,11 +238,26 @@ def _skip_tokens(f: dict[str, Tensor], batch: Packed, ids: tuple[int, ...]) -> d
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def _json(path: Path) -> dict[str, Any]:
+def _json(path: Path, kind: type = dict) -> Any:
+    """A JSON file's content ({} when missing), which must be a `kind`; errors name the file."""
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else kind()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    if not isinstance(data, kind):
+        raise ConfigError(f"{path} must hold a JSON {'object' if kind is dict else 'list'}, got {type(data).__name__}")
+    return data
+
+
+def _modules(path: Path) -> list[dict[str, Any]] | None:
+    """modules.json: a list of {"type", "path"} objects, or None without the file (a bare HF folder)."""
+    spec = _json(path, list) if path.is_file() else None
+    for m in spec or ():
+        if not isinstance(m, dict) or not isinstance(m.get("path", ""), str) or ".." in Path(m.get("path", "")).parts:
+            raise ConfigError(f"{path}: every module must be an object with a relative \"path\", got {m!r}")
+    return spec
 
 
 def _pooling(cfg: dict[str, Any]) -> Pooling:
@@ -312,8 +327,11 @@ def load_sentence_transformer(path_or_repo_id: str | os.PathLike, *, device: tor
     from packedenc.hub import resolve
     from packedenc.text.tokenizer import tokenizer
 
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        raise InputTypeError("load_sentence_transformer() takes a folder or a hub id, got "
+                             f"{type(path_or_repo_id).__name__}")
     root = resolve(path_or_repo_id, revision)
-    spec = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else None
+    spec = _modules(root / "modules.json")
     st_cfg = _json(root / "config_sentence_transformers.json")
     if spec is None:
         backbone, rest = root, []

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from packedenc.checks import as_device, float_dtype
 from packedenc.train import distributed as pdist
 from packedenc.errors import ConfigError, InputError
 from packedenc.text.tokenizer import TruncationWarning, check_texts
@@ -96,7 +97,7 @@ def embed_to_dir(model: Any, texts: Sequence[str], out_dir: str | os.PathLike, *
     if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size <= 0:
         raise InputError(f"shard_size must be a positive int, got {shard_size!r}")
     dev = pdist.init()
-    model = _as_model(model, _rank_device(model, device, dev), dtype)
+    model = _as_model(model, _rank_device(model, as_device(device), dev), float_dtype(dtype))
     if model.multi_vector:
         raise ConfigError("sharded output holds one vector per text; this is a multi-vector (ColBERT) model: "
                           "use packedenc.embed on slices of the input instead")

@@ -28,10 +28,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from packedenc.errors import CheckpointError, InputError
+from packedenc.errors import CheckpointError, InputError, InputTypeError
 from packedenc.packing import Packed, positions_from_cu_seqlens
 
-__all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts"]
+__all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
 
 _HUGE = 10**8  # tokenizer_config's "no limit" is 1e30; anything this large means "not set"
 
@@ -89,18 +89,20 @@ class Tokenizer:
 
 
 def check_texts(texts: Any) -> list[str]:
-    """Raise a clear error unless `texts` is a non-empty list of non-blank strings."""
+    """Raise a clear error unless `texts` is a non-empty list of non-blank, encodable strings."""
     if isinstance(texts, (str, bytes)):
-        raise TypeError("texts must be a list of strings, not a single string: wrap it as [text]")
+        raise InputTypeError("texts must be a list of strings, not a single string: wrap it as [text]")
     try:
         texts = list(texts)
     except TypeError:
-        raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}") from None
+        raise InputTypeError(f"texts must be a list of strings, got {type(texts).__name__}") from None
     if not texts:
         raise InputError("texts is empty: pass at least one string")
     for i, t in enumerate(texts):
         if not isinstance(t, str):
-            raise TypeError(f"texts[{i}] is a {type(t).__name__}, not a str; convert it (or drop it) first")
+            raise InputTypeError(f"texts[{i}] is a {type(t).__name__}, not a str; convert it (or drop it) first")
+        if not t.isascii():  # ASCII is always valid; only other texts can hold a lone surrogate
+            check_unicode(f"texts[{i}]", t)
     blank = [i for i, t in enumerate(texts) if not t.strip()]
     if blank:
         raise InputError(
@@ -108,6 +110,19 @@ def check_texts(texts: Any) -> list[str]:
             f"{' ...' if len(blank) > 10 else ''}): drop them or replace them with a placeholder"
         )
     return texts
+
+
+def check_unicode(name: str, t: str) -> None:
+    """Raise InputError naming `name` when `t` holds a lone surrogate ("\ud800", or the "\udcff"
+    Python makes of an undecodable byte in argv or a file name): no tokenizer can encode it."""
+    try:
+        t.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(
+            f"{name} holds {t[e.start:e.end]!r} at character {e.start}, a lone surrogate that is not valid "
+            "Unicode (text decoded with errors='surrogateescape', or cut inside a surrogate pair); decode it "
+            "with errors='replace' or drop it"
+        ) from None
 
 
 def _limit(tok: Tokenizer, max_length: int | None) -> int | None:
@@ -197,6 +212,8 @@ def tokenizer(model_or_folder: Any, *, max_length: int | None = None) -> Tokeniz
     Return:
         `Tokenizer`.
     """
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+        raise InputError(f"max_length must be a positive int or None, got {max_length!r}")
     if isinstance(model_or_folder, Tokenizer):
         limit = model_or_folder.max_length
         if max_length is not None and limit is not None and max_length > limit:
@@ -214,7 +231,7 @@ def tokenizer(model_or_folder: Any, *, max_length: int | None = None) -> Tokeniz
         backend.no_truncation()
         return Tokenizer(backend, max_length)
     if not isinstance(model_or_folder, (str, os.PathLike)):
-        raise TypeError(
+        raise InputTypeError(
             f"tokenizer() needs a model folder, a hub id or a loaded model, got {type(model_or_folder).__name__}; "
             "a params tree does not carry its tokenizer: pass the folder it was loaded from"
         )
@@ -233,13 +250,19 @@ def tokenizer(model_or_folder: Any, *, max_length: int | None = None) -> Tokeniz
     return Tokenizer(backend, limit, str(root))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, kind: type = dict) -> Any:
     if not path.is_file():
-        return {}
+        return kind()
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    if not isinstance(data, kind):
+        want = "object" if kind is dict else "list"
+        raise CheckpointError(f"{path} must hold a JSON {want}, got {type(data).__name__}")
+    return data
 
 
 def _transformer_folder(root: Path) -> tuple[Path, dict[str, Any]]:
@@ -247,8 +270,8 @@ def _transformer_folder(root: Path) -> tuple[Path, dict[str, Any]]:
     them in `0_Transformer/`; current ones at the top."""
     modules = root / "modules.json"
     if modules.is_file():
-        for m in json.loads(modules.read_text()):
-            if m.get("type", "").rsplit(".", 1)[-1] == "Transformer":
+        for m in _read_json(modules, list):
+            if isinstance(m, dict) and str(m.get("type", "")).rsplit(".", 1)[-1] == "Transformer":
                 sub = root / m.get("path", "")
                 return sub, _read_json(sub / "sentence_bert_config.json")
     return root, _read_json(root / "sentence_bert_config.json")

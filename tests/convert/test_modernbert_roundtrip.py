@@ -192,4 +192,5 @@ def test_convert_cli(tmp_path):
     assert load_file(tmp_path / "dst" / "model.safetensors")["final_norm.weight"].dtype == torch.bfloat16
     r = subprocess.run([sys.executable, "-m", "packedenc.convert", str(tmp_path / "missing"), str(tmp_path / "x")],
                        capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "does not exist" in r.stderr
+    assert r.returncode == 3 and "does not exist" in r.stderr  # a model problem: exit code 3, one line
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -23,11 +23,14 @@ def test_unknown_backend_is_a_config_error():
         get_ops("fastest", "cpu")
 
 
-def test_cpu_uses_the_reference_for_every_backend():
-    for backend in ("auto", "reference", "triton", "flash"):
+def test_cpu_uses_the_reference_and_a_forced_gpu_backend_is_an_error():
+    for backend in ("auto", "reference"):
         ops = get_ops(backend, "cpu")
         assert all(b == "reference" for _, b in ops.chosen), (backend, ops.chosen)
         assert len(ops.chosen) == len(OP_NAMES)
+    for backend in ("triton", "flash"):  # the caller asked for a kernel that cannot run there: say so
+        with pytest.raises(ConfigError, match=rf"backend='{backend}' runs on CUDA tensors, but these are on cpu"):
+            get_ops(backend, "cpu")
 
 
 def test_encode_compiles_fullgraph_on_cpu():

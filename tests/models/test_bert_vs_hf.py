@@ -174,8 +174,12 @@ def test_too_long_sequence_is_an_input_error(tmp_path):
     hf.save_pretrained(tmp_path)
     params = pe.load(tmp_path)
     b = pe.pack([list(range(3, 12))])  # 9 tokens, 8 positions after the offset of 2
-    with pytest.raises(pe.InputError, match="has 8 positions"):
+    # the bound stated is the one that holds: 10 rows less RoBERTa's offset of pad_token_id + 1 = 2
+    with pytest.raises(pe.InputError, match=r"max_seqlen=9, but .*max_position_embeddings=10, less pad_token_id "
+                                            r"\+ 1 = 2\) allows sequences of at most 8 tokens"):
         pe.encode(params, b.ids, b.cu_seqlens, backend="reference")
+    b8 = pe.pack([list(range(3, 11))])  # exactly 8 tokens: fits
+    assert pe.encode(params, b8.ids, b8.cu_seqlens, backend="reference").shape == (8, params.config.hidden_size)
 
 
 def test_bad_token_types(tmp_path):

@@ -46,7 +46,7 @@ def test_positions_are_derived_only_for_absolute_position_embeddings(monkeypatch
     (IDS, torch.tensor([0, 3, 2, 5], dtype=torch.int32), "non-decreasing"),
     (IDS, torch.tensor([0, 2, 4], dtype=torch.int32), "end at the number of packed tokens"),
     (IDS, torch.tensor([0, 2, 2, 5], dtype=torch.int32), "sequence 1 is empty"),
-    (IDS.float(), CU, "integer tensor"),
+    (IDS.float(), CU, "int64 or int32 tensor"),
     (IDS.view(1, -1), CU, "must be 1-D"),
     (torch.tensor([1, 2, 3, 4, 50]), CU, "token id 50 is outside the vocabulary"),
 ])
@@ -74,7 +74,8 @@ def test_token_types_without_a_table_are_ignored_like_hf():
 
 def test_sequence_longer_than_absolute_positions():
     ids = torch.arange(1, 11)
-    with pytest.raises(pe.InputError, match="max_seqlen=10 exceeds max_position_embeddings=8"):
+    with pytest.raises(pe.InputError, match=r"max_seqlen=10, but .*max_position_embeddings=8\) allows sequences "
+                                            r"of at most 8 tokens"):
         pe.encode(ABS, ids, torch.tensor([0, 10], dtype=torch.int32))
     # relative-only models have no such limit: buckets saturate
     assert pe.encode(PARAMS, torch.arange(1, 41), torch.tensor([0, 40], dtype=torch.int32)).shape == (40, 16)

@@ -99,16 +99,14 @@ def encode(
         (T, D) in the compute dtype (default: the params' dtype).
     """
     cfg = params.config
+    # max_positions turns an index error deep in F.embedding (or a CUDA assert) into a message.
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
-        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate, max_positions=cfg.max_positions,
+        table=f"this {cfg.model_type} model's position table (max_position_embeddings="
+              f"{cfg.max_position_embeddings}" + (f", less pad_token_id + 1 = {cfg.position_offset})"
+                                                  if cfg.position_offset else ")"),
+        compute_dtype=compute_dtype,
     )
-    # max_seqlen is a host int, so this check never syncs; it turns an index error deep in
-    # F.embedding (or a CUDA assert) into a message.
-    if max_seqlen > cfg.max_positions:
-        raise InputError(
-            f"a sequence has {max_seqlen} tokens but this {cfg.model_type} model has "
-            f"{cfg.max_positions} positions; truncate the texts (packedenc.pack_texts truncates to the model limit)"
-        )
     if token_type_ids is not None:
         _check_token_types(token_type_ids, ids, cfg, validate)
     if compute_dtype is not None:

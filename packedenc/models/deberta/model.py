@@ -221,15 +221,12 @@ def encode(
         (T, D) in the compute dtype (the params' dtype when None).
     """
     cfg = params.config
+    table = params.embeddings.position_embeddings is not None
     ids, cu_seqlens, max_seqlen, positions = prepare_inputs(
-        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate,
-        need_positions=params.embeddings.position_embeddings is not None,
+        ids, cu_seqlens, max_seqlen, positions, cfg.vocab_size, validate, need_positions=table,
+        max_positions=cfg.max_position_embeddings if table else None, compute_dtype=compute_dtype,
+        table=f"this model's absolute position embeddings (max_position_embeddings={cfg.max_position_embeddings})",
     )
-    if cfg.position_biased_input and max_seqlen > cfg.max_position_embeddings:
-        raise InputError(
-            f"max_seqlen={max_seqlen} exceeds max_position_embeddings={cfg.max_position_embeddings} of this "
-            "model's absolute position embeddings; truncate or split the sequences"
-        )
     token_type_ids = _check_token_types(token_type_ids, ids, cfg, validate or ids.device.type == "cpu")
     if compute_dtype is not None:
         params = tree_cast(params, compute_dtype)

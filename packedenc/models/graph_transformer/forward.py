@@ -31,7 +31,7 @@ from packedenc.models.graph_transformer.params import (
     EncoderLayer,
     GraphTransformerParams,
 )
-from packedenc.packing import check_cu_seqlens
+from packedenc.checks import check_cu_seqlens, check_max_seqlen, host_values
 
 __all__ = ["encode", "project_nodes", "layer", "readout"]
 
@@ -297,16 +297,16 @@ def _check_inputs(params: GraphTransformerParams, x: Tensor, cu_seqlens: Tensor,
               f"anchor-relative attention bias over {list(cfg.anchor_based_attention_bias_attr_names)}",
               False, cfg.key_bias_dim)
 
-    if validate or x.device.type == "cpu":
+    values = host_values(x, validate)
+    if values:
         check_cu_seqlens(cu_seqlens, T)
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        if max_seqlen is not None and max_seqlen < longest:
-            raise InputError(f"max_seqlen={max_seqlen} is smaller than the longest sequence ({longest})")
+    check_max_seqlen(max_seqlen, cu_seqlens if values else None)
+    if values:
         for name, t, hi in (("node_types", node_types, len(cfg.node_types)),
                             ("hops", hops, cfg.hop_distance_embedding_size)):
             if t is not None and (int(t.min()) < 0 or int(t.max()) >= hi):
                 raise InputError(f"{name} values must lie in [0, {hi}), got [{int(t.min())}, {int(t.max())}]")
-    if max_seqlen is None:
+    if max_seqlen is None or values:  # host values: the true longest (free), never a looser bound
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if cu_seqlens.dtype != torch.int32:
         cu_seqlens = cu_seqlens.to(torch.int32)
