@@ -19,8 +19,9 @@ rows; a per-sequence weight field (ones, padded 0) masks dummies in losses over 
 
 Two graphs make a step, the seam of gradient accumulation: per bucket, loss + gradients of one
 micro-batch added into fp32 accumulators (`Step.grads`); once per step, the update (`Step.apply_`:
-mean, all-reduce under a process group, clipping, AdamW). A bucket's first `warmup` uses and the
-first `warmup` updates run eagerly (real work, and the warm-up a capture needs); later ones replay.
+mean, all-reduce under a process group, clipping, AdamW). A new bucket runs `warmup` discarded
+forward + backward passes on a side stream (lazy initialisation, compilation) and is captured at
+its first use; the first update runs eagerly (a real one, its warm-up) and the second is captured.
 Replays do not synchronise with the host. Batches over the budget run eagerly, unpadded, into the
 same accumulators, with a one-time warning. On a CPU (`capture=False`) the same padded phases run
 eagerly: what CI tests.
@@ -187,12 +188,23 @@ class GraphedStep:
         self._entries.move_to_end(key)
         self._fill(key, batch, entry.batch)
         entry.uses += 1
-        if not self.capture or entry.uses <= self.warmup:
+        if not self.capture:
             self._grads_into_acc(entry.batch)
             return
         if entry.graph is None:
+            self._warm_up(entry.batch)
             entry.graph = self._capture(lambda: self._grads_into_acc(entry.batch))
         entry.graph.replay()
+
+    def _warm_up(self, batch: dict[str, Any]) -> None:
+        """Forward + backward passes whose results are dropped, on the capture stream: what a
+        capture needs first (cuBLAS workspaces, Triton compilation, tables built on first use)."""
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.step.grads(self.state.params, batch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _grads_into_acc(self, batch: dict[str, Any]) -> None:
         loss, grads = self.step.grads(self.state.params, batch)
@@ -203,7 +215,7 @@ class GraphedStep:
 
     def _run_update(self) -> None:
         self._updates += 1
-        if not self.capture or self._updates <= self.warmup:
+        if not self.capture or self._updates == 1:  # the first update is eager: the capture's warm-up
             self._update()
             return
         if self._update_graph is None:
@@ -272,8 +284,8 @@ class GraphedStep:
 
 
 def graphed_step(step: Step, state: TrainState, *, max_tokens: int, max_seqs: int,
-                 pad: dict[str, Pad] | None = None, capture: bool | None = None, warmup: int = 2,
-                 max_graphs: int = 32, pad_id: int = 0, token_buckets: Sequence[int] | None = None,
+                 pad: dict[str, Pad] | None = None, capture: bool | None = None, warmup: int = 1,
+                 max_graphs: int = 256, pad_id: int = 0, token_buckets: Sequence[int] | None = None,
                  seq_buckets: Sequence[int] | None = None) -> GraphedStep:
     """A training step replayed as CUDA graphs, bucketed by tokens and sequences (see the module doc).
 
@@ -283,8 +295,11 @@ def graphed_step(step: Step, state: TrainState, *, max_tokens: int, max_seqs: in
         max_tokens, max_seqs: the budget of each stream; bigger batches run eagerly (one warning).
         pad: the padding rule of every tensor field of the batches (`Pad(axis, value)`).
         capture: replay CUDA graphs; default True on a CUDA state, False (eager, padded) on a CPU.
-        warmup: eager uses of a bucket (and eager updates) before its graph is captured.
-        max_graphs: LRU size of the per-bucket graphs; pad_id: token id of dummy tokens.
+        warmup: discarded forward + backward passes before a bucket's capture (>= 1).
+        max_graphs: LRU size of the per-bucket graphs. They share one memory pool (replays never
+            overlap), so a graph costs little memory but a capture costs a warm-up pass: a training
+            run meets many buckets (tokens x sequences x longest length), keep them. pad_id: token
+            id of dummy tokens.
         token_buckets, seq_buckets: as in `graphed`.
     Return:
         a `GraphedStep`: `loss = jstep(batch)` or `jstep([micro_batch, ...])`; `jstep.state`,
