@@ -26,6 +26,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "embed": ("benchmarks.embed", "texts -> embeddings with the real all-MiniLM-L6-v2 vs sentence-transformers"),
     "ops": ("benchmarks.ops", "fused ops alone: Triton vs plain torch vs torch.compile, error vs fp32"),
     "attention": ("benchmarks.attention", "varlen attention forward / backward (its own script)"),
+    "cute": ("benchmarks.cute", "the cute backend (FA4, CuteDSL) vs Triton: attention, GeGLU GEMM, norms, model"),
     "distributed": ("benchmarks.distributed", "data-parallel scaling on 1 and N GPUs"),
     "report": ("benchmarks.report", "README tables + charts from one commit's records"),
 }

@@ -4,8 +4,9 @@
     python -m benchmarks ops --workloads glu rotary --tokens 4096
 
 Each op of the op table with a fused kernel, at ModernBERT-base shapes in bf16 (D=768, H=12,
-K=64, F=1152; GELU at DeBERTa's 3072; the MLM loss over 50,368 words on 30% of the rows), the
-graph readout (width 512) and DeBERTa-v3-base's disentangled attention on a doc1k batch:
+K=64, F=1152; `linear_glu`: the MLP's Wi GEMM + GeGLU, 768 -> 2 x 1152; GELU at DeBERTa's 3072;
+the MLM loss over 50,368 words on 30% of the rows), the graph readout (width 512) and
+DeBERTa-v3-base's disentangled attention on a doc1k batch:
 - systems: `triton` (the op table's "triton" function), `torch` (what a careful PyTorch user
   writes: F.layer_norm, x + r then LN, bf16 RoPE tables, F.gelu(a) * g, ...), `torch-compile`
   (torch.compile of that, at the largest token count only: compiling is slow), `reference`
@@ -128,6 +129,16 @@ def _glu(c: Ctx) -> tuple[list[Tensor], dict[str, Callable[..., Any]], int]:
     return [c.rnd(c.T, 2 * c.sh.F)], {**c.table("glu", "gelu"), "torch": plain}, 6 * c.T * c.sh.F
 
 
+def _linear_glu(c: Ctx) -> tuple[list[Tensor], dict[str, Callable[..., Any]], int]:
+    # ModernBERT-base's MLP input: x (T, 768) @ Wi (2 x 1152, 768), exact-GELU gate (no bias in base)
+    def plain(x: Tensor, w: Tensor) -> Tensor:
+        a, b = F.linear(x, w).chunk(2, -1)
+        return F.gelu(a) * b
+    D, Fm = c.sh.D, c.sh.F
+    leaves = [c.rnd(c.T, D), c.rnd(2 * Fm, D, scale=D ** -0.5)]
+    return leaves, {**c.table("linear_glu", None, "gelu"), "torch": plain}, 2 * (c.T * D + 2 * Fm * D + c.T * Fm)
+
+
 def _activation(c: Ctx) -> tuple[list[Tensor], dict[str, Callable[..., Any]], int]:
     # the FFN-in bias moved into the activation (DeBERTa, BERT, the graph transformer)
     fns = {name: (lambda x, b, f=t.activation: f(x, "gelu", bias=b))
@@ -167,7 +178,8 @@ def _deberta_attention(c: Ctx) -> tuple[list[Tensor], dict[str, Callable[..., An
 
 
 BUILDERS = {"layer_norm": _layer_norm, "add_layer_norm": _add_layer_norm, "embed_layer_norm": _embed_layer_norm,
-            "rotary": _rotary, "glu": _glu, "activation": _activation, "linear_cross_entropy": _linear_cross_entropy,
+            "rotary": _rotary, "glu": _glu, "linear_glu": _linear_glu, "activation": _activation,
+            "linear_cross_entropy": _linear_cross_entropy,
             "graph_readout": _graph_readout, "deberta_attention": _deberta_attention}
 
 

@@ -6,8 +6,11 @@ op to `kernels/reference/` (plain torch, runs on CPU). The other backends ("trit
 "flash") register implementations for the ops they cover with `register_impl`; an op a backend
 does not cover falls back to the best available choice for the device.
 
-`backend="auto"` picks per op from what is installed and the device (CUDA: the fused Triton ops,
-attention included; CPU: the reference), and logs the table once.
+`backend="auto"` picks per op and shape class from measurements: `kernels/auto.py`'s table names,
+for each op, the implementations in order and the committed benchmark record behind each row; what
+is installed and the device only gate it (CPU: the reference). The table is logged once, and
+`describe_ops(backend, device)` prints it with the reasons. Optional backends are imported only
+when a chosen row or a forced backend needs them.
 
 Partial implementations are routed in the table, never inside a kernel module. An implementation
 that takes only some of an op's inputs registers a `covers` rule with it (`register_impl(...,
@@ -20,14 +23,18 @@ efficient kernel (flash.py) the anchor-only layer and fp32. `varlen_attention=tr
 the Triton kernel takes every input (forward and backward), and refuses bad ones with an InputError.
 A forced backend comes first and the rest follows the auto order: `backend="flash"` gives
 `varlen_attention=flash>triton` (flash kernels take CUDA fp16 / bf16 with head dims that are
-multiples of 8, `flash.covers_varlen`).
+multiples of 8, `flash.covers_varlen`), `backend="cute"` `varlen_attention=cute>triton` (FA4 takes
+fp16 / bf16 head dims 64 and 128 on sm90+, `cute/attention.covers_fa4`). An auto row with a shape
+class is named with it, "cute[long-global]>triton": it takes the calls its backend covers AND its
+shape rule accepts.
 
 Adding a kernel (checklist):
 1. The plain-torch version goes in `reference/ops.py` under the op's name; add the field to `Ops`.
 2. The kernel file goes in `kernels/<backend>/<op>.py` (kernel, registered op, allocating wrapper
    with the reference's signature, backward where training needs it).
 3. Call `register_impl("<backend>", "<op>", fn)` when that module is imported (with `covers=` if
-   it takes only part of the op's inputs), and list the module in `_BACKEND_MODULES`.
+   it takes only part of the op's inputs), and list the module in `_BACKEND_MODULES`. "auto"
+   chooses it only once a row in `auto.py` cites the record that shows it wins.
 4. Tests in `tests/kernels/test_<op>.py`: against the reference over dtypes and ragged packs,
    isolation, determinism; the CPU run uses TRITON_INTERPRET=1 on tiny shapes.
 """
@@ -43,28 +50,23 @@ from typing import Callable
 import torch
 
 from packedenc.errors import ConfigError
-from packedenc.kernels import reference
+from packedenc.kernels import auto, reference
 
-__all__ = ["Ops", "get_ops", "register_impl", "chain", "BACKENDS", "available_backends"]
+__all__ = ["Ops", "get_ops", "register_impl", "chain", "choose", "describe_ops", "BACKENDS", "available_backends"]
 
 log = logging.getLogger("packedenc")
 
-BACKENDS = ("auto", "reference", "triton", "flash")
+BACKENDS = ("auto", "reference", "triton", "flash", "cute")
 
 # Modules that register implementations when imported; a missing dependency just means the
 # backend is not available (its import fails and is recorded, never raised at import time).
 _BACKEND_MODULES = {
     "triton": ("packedenc.kernels.triton",),
     "flash": ("packedenc.kernels.flash",),
+    "cute": ("packedenc.kernels.cute.backend",),
 }
-
-# Per-op preference when backend="auto" on a CUDA device (first available wins).
-_AUTO_CUDA = {
-    "varlen_attention": ("triton", "flash"),  # kernels/triton/attention*.py: forward and backward
-    "graph_attention": ("triton", "flash"),  # triton covers fused fp16/bf16 full layers; flash the rest
-    "deberta_attention": ("triton",),  # packed disentangled attention (kernels/triton/deberta/)
-}
-_AUTO_CUDA_DEFAULT = ("triton",)
+# What to install for an optional backend (named in the ConfigError when it does not load).
+_EXTRAS = {"cute": "pip install 'packedenc[cute]' (nvidia-cutlass-dsl, flash-attn-4, quack-kernels; an sm90+ GPU)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Ops:
     embed_layer_norm: Callable
     activation: Callable
     glu: Callable
+    linear_glu: Callable  # glu(linear(x, W, b)): a gated MLP's input projection (ModernBERT's Wi + GeGLU)
     rotary: Callable
     varlen_attention: Callable
     deberta_attention: Callable  # disentangled (content + c2p + p2c) attention, DeBERTa-v2/v3
@@ -112,16 +115,33 @@ def register_impl(backend: str, op: str, fn: Callable, covers: Callable[..., boo
         _COVERS[(backend, op)] = covers
 
 
-def chain(op: str, candidates: tuple[str, ...] | list[str]) -> str:
-    """The implementations that serve `op`, joined by ">": the first candidate with an `op`
-    implementation, then, while the last one has a `covers` rule, the next one (the reference when
-    the candidates run out)."""
+def _backend_of(name: str) -> str:
+    return name.split("[", 1)[0]  # "cute[long-global]" -> "cute"
+
+
+def _rule(op: str, name: str) -> Callable[..., bool] | None:
+    """The calls `name` takes: its backend's `covers` rule AND its shape class (auto.SHAPES); None: all."""
+    backend = _backend_of(name)
+    covers = _COVERS.get((backend, op))
+    shape = auto.SHAPES[name[len(backend) + 1 : -1]] if name != backend else None
+    if shape is None or covers is None:
+        return shape or covers
+    return lambda *args, **kwargs: covers(*args, **kwargs) and shape(*args, **kwargs)
+
+
+def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[str], bool] = lambda b: True) -> str:
+    """The implementations that serve `op`, joined by ">": the first candidate whose backend is
+    `usable` and has an `op` implementation, then, while the last one takes only some calls (a
+    `covers` rule or a shape class), the next one (the reference when the candidates run out).
+    A candidate is a backend name or a shaped auto row, "backend[shape]"; `usable` is asked only
+    about the backends that are reached."""
     picked: list[str] = []
-    for b in (*candidates, "reference"):
-        if b in picked or op not in _IMPLS.get(b, {}):
+    for name in (*candidates, "reference"):
+        b = _backend_of(name)
+        if b in map(_backend_of, picked) or (b != "reference" and not usable(b)) or op not in _IMPLS.get(b, {}):
             continue
-        picked.append(b)
-        if (b, op) not in _COVERS:
+        picked.append(name)
+        if _rule(op, name) is None:
             break
     return ">".join(picked)
 
@@ -134,12 +154,12 @@ def _route(first: Callable, covers: Callable[..., bool], rest: Callable) -> Call
 
 
 def _entry(op: str, name: str) -> Callable:
-    """The table's callable for `op` served by `name` (one backend, or a chain "a>b>...")."""
+    """The table's callable for `op` served by `name` (one backend, or a chain "a>b[shape]>...")."""
     if ">" not in name:
         return _IMPLS[name][op]
     if (op, name) not in _ROUTES:
         first, rest = name.split(">", 1)
-        _ROUTES[(op, name)] = _route(_IMPLS[first][op], _COVERS[(first, op)], _entry(op, rest))
+        _ROUTES[(op, name)] = _route(_IMPLS[_backend_of(first)][op], _rule(op, first), _entry(op, rest))
     return _ROUTES[(op, name)]
 
 
@@ -157,22 +177,34 @@ def _load_backend(backend: str) -> bool:
     return ok and bool(_IMPLS.get(backend))
 
 
+def _usable_on_cuda(backend: str) -> bool:
+    return backend == "reference" or (torch.cuda.is_available() and _load_backend(backend))
+
+
 def available_backends(device: torch.device | str = "cuda") -> list[str]:
+    """The backends that load here for `device` (imports every optional one: for `info`, not hot paths)."""
     dev = torch.device(device)
     names = ["reference"]
-    if dev.type == "cuda" and torch.cuda.is_available():
-        names += [b for b in ("triton", "flash") if _load_backend(b)]
+    if dev.type == "cuda":
+        names += [b for b in _BACKEND_MODULES if _usable_on_cuda(b)]
     return names
 
 
-def _choose(op: str, backend: str, device: torch.device) -> str:
-    if device.type != "cuda" or backend == "reference":
+def choose(op: str, backend: str = "auto", device_type: str = "cuda",
+           usable: Callable[[str], bool] | None = None) -> str:
+    """The implementation chain that serves `op` (what `Ops.chosen` shows), from `auto.py`'s table.
+
+    "auto" takes the rows that cite a record (or are fallbacks), in order; a forced backend comes
+    first and the same rows follow for the calls it does not take. `usable(backend)` says which
+    backends load here (default: import them, on a machine with CUDA); pass a set's `__contains__`
+    to ask what the table gives elsewhere. CPU devices and `backend="reference"`: the reference.
+    """
+    if device_type != "cuda" or backend == "reference":
         return "reference"
-    avail = available_backends(device)
-    prefs = _AUTO_CUDA.get(op, _AUTO_CUDA_DEFAULT)
-    if backend != "auto":  # a forced backend first; the inputs it does not cover follow the auto order
-        prefs = (backend, *prefs)
-    return chain(op, [b for b in prefs if b in avail])
+    names = [row.name for row in auto.rows(op) if row.chosen]
+    if backend != "auto":
+        names.insert(0, backend)
+    return chain(op, names, usable or _usable_on_cuda)
 
 
 _CHOSEN: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
@@ -193,8 +225,9 @@ def _choose_all(backend: str, device_type: str) -> tuple[tuple[str, str], ...]:
                           "backend='auto' (the reference on the CPU) or 'reference', or move the inputs to a GPU")
     if backend not in ("auto", "reference") and device.type == "cuda" and not _load_backend(backend):
         why = _IMPORT_ERRORS.get(backend, "it registers no op")
-        raise ConfigError(f"backend {backend!r} is not available on this machine ({why})")
-    chosen = tuple((op, _choose(op, backend, device)) for op in OP_NAMES)
+        fix = f"; install it with {_EXTRAS[backend]}" if backend in _EXTRAS else ""
+        raise ConfigError(f"backend {backend!r} is not available on this machine ({why}){fix}")
+    chosen = tuple((op, choose(op, backend, device.type)) for op in OP_NAMES)
     for op, name in chosen:
         _entry(op, name)  # routed entries are built here, outside any trace
     _CHOSEN[key] = chosen
@@ -216,3 +249,41 @@ def get_ops(backend: str | Ops = "auto", device: torch.device | str | None = Non
     dev = torch.device("cpu" if device is None else device)
     chosen = _choose_all(backend, dev.type)
     return Ops(backend=backend, chosen=chosen, **{op: _entry(op, b) for op, b in chosen})
+
+
+def _why(op: str, name: str, backend: str, chained: str) -> str:
+    """Why `name` (one link of a chain) serves `op`: the evidence of its auto row, or what forced it."""
+    if name == backend:
+        return "forced (backend=%r)" % backend
+    if name == "reference":
+        return "plain torch" if name == chained else "plain torch, for the calls the others do not take"
+    row = next((r for r in auto.rows(op) if r.name == name), None)
+    if row is None:
+        return ""
+    return str(row.evidence) if row.evidence is not None else "fallback: replaces only the reference"
+
+
+def describe_ops(backend: str = "auto", device: torch.device | str = "cuda") -> str:
+    """The implementation of every op for `backend` on `device`, why it was chosen, and the rows
+    of `auto.py` that were not (for `packedenc info --ops`). Imports every optional backend."""
+    dev = torch.device(device)
+    chosen = get_ops(backend, dev).chosen
+    head = f"packedenc ops, backend={backend!r} on {dev.type}"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        head += " (no CUDA device here: every op runs the reference)"
+    table = [("op", "implementation", "why")]
+    for op, name in chosen:
+        parts = name.split(">")
+        table.append((op, name, "; ".join(filter(None, (_why(op, p, backend, name) for p in parts)))))
+        for row in auto.rows(op) if dev.type == "cuda" else ():
+            if not row.chosen:
+                table.append(("", f"(not {row.name})", row.why_not))
+    widths = [max(len(r[i]) for r in table) for i in range(2)]
+    lines = [head, *(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in table)]
+    if dev.type == "cuda":
+        loaded = available_backends(dev)
+        missing = [f"{b} ({_IMPORT_ERRORS.get(b, 'no CUDA device')}"
+                   + (f"; {_EXTRAS[b]})" if b in _EXTRAS else ")") for b in _BACKEND_MODULES if b not in loaded]
+        lines.append("backends that load here: " + ", ".join(loaded))
+        lines += [f"not available: {m}" for m in missing]
+    return "\n".join(lines)

@@ -13,16 +13,19 @@ Every implementation has `reference.varlen_attention`'s signature
 convention (query i sees keys i - left .. i + right, -1 unbounded; ModernBERT local = (64, 64)):
 
 - "torch": `torch.nn.attention.varlen.varlen_attn(..., scale=, window_size=)` (torch >= 2.11; its
-  own custom op with autograd, torch's bundled FA2).
+  own custom op with autograd, torch's bundled FA2). It is `torch-flash` in
+  benchmarks/results/attention_h200.json.
 - "aten": `aten._flash_attention_forward/_backward` with `window_size_left/right` (torch 2.9,
   2.10), wrapped here in the custom ops `packedenc::flash_varlen_fwd/_bwd` with autograd. Their
   CPU implementation is the reference, so CPU CI exercises registration, compile and autograd.
-- "fa2": `flash_attn.flash_attn_varlen_func` (flash-attn 2.x), when installed.
-- "fa4": `flash_attn.cute.flash_attn_varlen_func` (FlashAttention-4, sm90+), when installed.
+- "fa2": `flash_attn.flash_attn_varlen_func` (the flash-attn 2.x package), when installed.
 
-`varlen_attention` uses the first available of fa4 (sm90+), fa2, torch, aten. To force one
-implementation, replace the table entry:
-`dataclasses.replace(packedenc.get_ops("auto", "cuda"), varlen_attention=flash.IMPLS["aten"])`.
+`varlen_attention` runs the first of `ORDER` that this torch / install offers (`CHOSEN`): torch's
+own varlen op first (the one measured, a registered op torch maintains), then the aten wrapper
+for torch 2.9 / 2.10, then the flash-attn 2 package for a torch with neither: the same FA2 kernels
+each time, so the order is about support, not speed. FlashAttention-4 is the "cute" backend
+(`kernels/cute/`), chosen in the op table, never here. To run one implementation, replace the
+table entry: `dataclasses.replace(packedenc.get_ops("auto", "cuda"), varlen_attention=flash.IMPLS["aten"])`.
 
 ## graph_attention
 One *core* runs each call (`core=`, default "efficient"):
@@ -51,7 +54,7 @@ from packedenc.kernels.graph_attention import fold_key_bias, fold_key_bias_qkv, 
 from packedenc.kernels.reference import backward as reference_bwd
 
 __all__ = ["varlen_attention", "covers_varlen", "graph_attention", "efficient_qkv_attention",
-           "aten_graph_attention", "GRAPH_CORES", "IMPLS", "BEST"]
+           "aten_graph_attention", "GRAPH_CORES", "IMPLS", "ORDER", "CHOSEN"]
 
 log = logging.getLogger("packedenc")
 
@@ -171,7 +174,7 @@ def aten_varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=(-
     return torch.ops.packedenc.flash_varlen_fwd(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, left, right, scale)[0]
 
 
-# ---- flash-attn 2 and 4 (optional installs) -----------------------------------------------------
+# ---- flash-attn 2 (optional install) --------------------------------------------------------------
 
 
 def fa2_varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=(-1, -1), scale=None):
@@ -184,18 +187,6 @@ def fa2_varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=(-1
     )
 
 
-def fa4_varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=(-1, -1), scale=None):
-    from flash_attn.cute import flash_attn_varlen_func
-
-    left, right = (None if int(w) < 0 else int(w) for w in window)  # FA4: None = unbounded
-    res = flash_attn_varlen_func(
-        q_THK, k_THK, v_THK, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=False,
-        window_size=(left, right),
-    )
-    return res[0] if isinstance(res, tuple) else res
-
-
 def _installed(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -203,26 +194,26 @@ def _installed(name: str) -> bool:
         return False
 
 
+ORDER = ("torch", "aten", "fa2")  # support first: see the module docstring
+
+
 def _available() -> dict[str, Callable]:
     impls: dict[str, Callable] = {}
-    if torch.cuda.is_available():
-        major, _ = torch.cuda.get_device_capability()
-        if major >= 9 and _installed("flash_attn") and _installed("flash_attn.cute"):
-            impls["fa4"] = fa4_varlen_attention
-        if _installed("flash_attn") and _installed("flash_attn.flash_attn_interface"):
-            impls["fa2"] = fa2_varlen_attention
     if _VARLEN_ATTN is not None:
         impls["torch"] = torch_varlen_attention
     if _aten_has_window():
         impls["aten"] = aten_varlen_attention
-    return impls
+    # flash-attn 4 installs `flash_attn` as a namespace package without the FA2 interface
+    if torch.cuda.is_available() and _installed("flash_attn") and _installed("flash_attn.flash_attn_interface"):
+        impls["fa2"] = fa2_varlen_attention
+    return {name: impls[name] for name in ORDER if name in impls}
 
 
 IMPLS: dict[str, Callable] = _available()
-BEST: str | None = next(iter(IMPLS), None)
-if BEST is None:
-    raise ImportError("no varlen flash attention with a window: needs torch >= 2.9 or flash-attn")
-_BEST_FN = IMPLS[BEST]
+CHOSEN: str | None = next(iter(IMPLS), None)
+if CHOSEN is None:
+    raise ImportError("no varlen flash attention with a window: needs torch >= 2.9 or flash-attn 2")
+_CHOSEN_FN = IMPLS[CHOSEN]
 
 
 def varlen_attention(
@@ -234,7 +225,7 @@ def varlen_attention(
     window: tuple[int, int] = (-1, -1),
     scale: float | None = None,
 ) -> Tensor:
-    """Non-causal varlen attention with an FA window, on the best installed flash kernel.
+    """Non-causal varlen attention with an FA window, on flash kernel `CHOSEN` (first of `ORDER`).
 
     Arguments:
         q_THK, k_THK, v_THK: (T, H, K) packed CUDA fp16 / bf16, K a multiple of 8 <= 256 (what
@@ -247,7 +238,7 @@ def varlen_attention(
     if not covers_varlen(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen):
         raise InputError(f"flash varlen_attention: needs CUDA fp16 / bf16 q, k, v with a head dim that is a "
                          f"multiple of 8 up to 256, got {q_THK.dtype} {tuple(q_THK.shape)} on {q_THK.device}")
-    return _BEST_FN(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale)
+    return _CHOSEN_FN(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale)
 
 
 register_impl("flash", "varlen_attention", varlen_attention, covers=covers_varlen)

@@ -272,7 +272,7 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
     # positions restart per sequence; v comes back as its own tensor when training (see
     # kernels/triton/rotary.py), so the attention's saved q, k, v do not pin the whole qkv too.
-    # qkv and u below are this layer's own temporaries: kernels may overwrite them in inference.
+    # qkv is this layer's own temporary: kernels may overwrite it in inference.
     q_THK, k_THK, v_THK = ops.rotary(qkv_T3HK, positions_T, theta, with_v=True, overwrite_input=True)
     attn_drop = attention_dropout(cfg.attention_dropout, "attention_dropout", ops, seed, i)
     o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=window, **attn_drop)
@@ -280,8 +280,9 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 
     h_TD, residual_TD = ops.add_layer_norm(a_TD, residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps)
-    u_T2F = ops.linear(h_TD, p.mlp.wi.weight, p.mlp.wi.bias)  # (T, 2F): input half | gate half
-    g_TF = dropout(ops.glu(u_T2F, cfg.hidden_activation, overwrite_input=True), cfg.mlp_dropout, seed, i, 2)
+    # Wi's (2F, D) rows are the input half then the gate half: act(h Wi_in^T) * (h Wi_gate^T)
+    g_TF = ops.linear_glu(h_TD, p.mlp.wi.weight, p.mlp.wi.bias, cfg.hidden_activation)
+    g_TF = dropout(g_TF, cfg.mlp_dropout, seed, i, 2)
     return ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias), residual_TD
 
 

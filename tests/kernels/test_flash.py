@@ -1,8 +1,9 @@
-"""flash.py: varlen attention backends (torch varlen_attn, aten flash custom op, flash-attn, FA4).
+"""flash.py: varlen attention backends (torch varlen_attn, aten flash custom op, flash-attn 2).
 
 On the CPU only the registration of the aten custom op can run (its CPU implementation is the
 reference), and the inputs flash refuses; the `gpu` tests check every installed implementation
 against the reference. flash.py's graph_attention: tests/models/test_graph_transformer*.py.
+FlashAttention-4 is the cute backend: tests/kernels/test_cute.py.
 """
 
 import pytest
@@ -33,7 +34,12 @@ def test_inputs_flash_does_not_take_are_refused_and_left_to_the_table():
 def test_torch_at_least_2_11_offers_varlen_attn_with_a_window():
     major, minor = (int(p) for p in torch.__version__.split(".")[:2])
     assert ("torch" in flash.IMPLS) == ((major, minor) >= (2, 11))
-    assert flash.BEST in flash.IMPLS
+    # the choice is the documented order, not package presence: the first of ORDER on offer
+    assert tuple(flash.IMPLS) == tuple(n for n in flash.ORDER if n in flash.IMPLS)
+    assert flash.CHOSEN == next(iter(flash.IMPLS))
+    if (major, minor) >= (2, 11):
+        assert flash.CHOSEN == "torch"  # torch's own op, even where the flash-attn 2 package is installed
+    assert "fa4" not in flash.IMPLS and not hasattr(flash, "fa4_varlen_attention")  # the cute backend's
 
 
 def test_aten_op_opcheck_autograd_and_compile():

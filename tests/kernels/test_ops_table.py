@@ -28,7 +28,7 @@ def test_cpu_uses_the_reference_and_a_forced_gpu_backend_is_an_error():
         ops = get_ops(backend, "cpu")
         assert all(b == "reference" for _, b in ops.chosen), (backend, ops.chosen)
         assert len(ops.chosen) == len(OP_NAMES)
-    for backend in ("triton", "flash"):  # the caller asked for a kernel that cannot run there: say so
+    for backend in ("triton", "flash", "cute"):  # the caller asked for a kernel that cannot run there: say so
         with pytest.raises(ConfigError, match=rf"backend='{backend}' runs on CUDA tensors, but these are on cpu"):
             get_ops(backend, "cpu")
 
@@ -50,9 +50,9 @@ def test_gpu_auto_picks_triton_and_logs_once(caplog):
         ops = get_ops("auto", "cuda")
         get_ops("auto", torch.device("cuda", 0))
     chosen = dict(ops.chosen)
-    for op in ("layer_norm", "add_layer_norm", "embed_layer_norm", "rotary", "glu"):
+    for op in ("layer_norm", "add_layer_norm", "embed_layer_norm", "rotary", "glu", "linear_glu"):
         assert chosen[op] == "triton", chosen
-    assert chosen["varlen_attention"] == "triton"  # kernels/triton/attention.py: FA2 inside for gradients
+    assert chosen["varlen_attention"] == "triton"  # kernels/triton/attention*.py: forward and backward
     assert sum("backend=auto" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -124,3 +124,99 @@ def test_gpu_direct_launch_equals_the_registered_op():
     assert torch.equal(ops.embed_layer_norm(ids, x, w, None, 1e-5), P.embed_layer_norm(ids, x, w, None, 1e-5))
     assert all(torch.equal(a, b) for a, b in zip(ops.rotary(qkv, pos, 1e4), P.rotary(qkv, pos, 1e4)))
     assert torch.equal(ops.glu(x, "silu"), P.glu(x, "silu"))
+
+
+# ---- linear_glu: a gated MLP's input projection as one op (ModernBERT's Wi + GeGLU) ----------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_glu_reference_is_the_two_steps_it_replaces(dtype, bias):
+    from packedenc.kernels import reference
+
+    x, w = torch.randn(7, 16).to(dtype), torch.randn(2 * 24, 16).to(dtype)
+    b = torch.randn(48).to(dtype) if bias else None
+    for act in ("gelu", "silu", "gelu_pytorch_tanh"):
+        want = reference.glu(reference.linear(x, w, b), act)
+        assert torch.equal(reference.linear_glu(x, w, b, act), want), act
+    with pytest.raises(ConfigError, match="mish"):
+        reference.linear_glu(x, w, b, "mish")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_linear_glu_matches_the_reference_forward_and_backward(dtype, monkeypatch):
+    from packedenc.kernels import reference
+    from packedenc.kernels.triton import glu as G
+    from packedenc.kernels.triton import linear_glu as LG
+    from tests.kernels._assert import assert_close_to_ref
+
+    x, w, b = torch.randn(9, 32).to(dtype), (torch.randn(2 * 40, 32) / 6).to(dtype), torch.randn(80).to(dtype)
+    want32 = reference.linear_glu(x.float(), w.float(), b.float(), "gelu")
+    # the op path (CPU: the registered glu op runs the reference), with autograd
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b)]
+    out = LG.linear_glu(*leaves, "gelu")
+    torch.testing.assert_close(out, reference.linear_glu(*refs, "gelu"), rtol=0, atol=0)
+    d = torch.randn_like(out)
+    out.backward(d)
+    reference.linear_glu(*refs, "gelu").backward(d)
+    for a, r in zip(leaves, refs):
+        torch.testing.assert_close(a.grad, r.grad)
+    # eager inference: the Triton gate kernel (interpreted here), written over u's first half
+    monkeypatch.setattr(G, "direct_launch", lambda *ts: True)
+    y = LG.linear_glu(x, w, b, "gelu")
+    assert y.shape == (9, 40) and y.stride(0) == 80  # a view of u: no second buffer
+    assert_close_to_ref(y, want32, reference.linear_glu(x, w, b, "gelu"), atol=1e-6, what="linear_glu")
+    with pytest.raises(ConfigError, match="mish"):
+        LG.linear_glu(x, w, b, "mish")
+
+
+def test_modernbert_mlp_calls_linear_glu_once_per_layer():
+    import dataclasses
+
+    from packedenc.kernels import reference
+
+    params = _tiny_modernbert()
+    b = pe.pack([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])
+    ops = get_ops("reference", "cpu")
+    calls = []
+
+    def spy(x, weight, bias=None, act="gelu"):
+        calls.append((tuple(x.shape), tuple(weight.shape), act))
+        return reference.linear_glu(x, weight, bias, act)
+
+    def no_glu(*a, **k):
+        raise AssertionError("ModernBERT's MLP should call linear_glu, not glu")
+
+    spied = dataclasses.replace(ops, linear_glu=spy, glu=no_glu)
+    out = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=spied)
+    assert torch.equal(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops))
+    assert calls == [((11, 32), (96, 32), "gelu")] * 2  # (T, D), Wi (2F, D), per layer
+
+
+@pytest.mark.gpu
+def test_gpu_triton_linear_glu_two_x_rule_forward_and_gradients():
+    from packedenc.kernels import reference
+    from tests.kernels._assert import assert_close_to_ref
+
+    ops = get_ops("auto", "cuda")
+    assert dict(ops.chosen)["linear_glu"] == "triton"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4099, 768, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2304, 768, device="cuda", generator=g) / 28).bfloat16()  # ModernBERT-base Wi
+    b = (torch.randn(2304, device="cuda", generator=g) / 10).bfloat16()
+    d = torch.randn(4099, 1152, device="cuda", generator=g).bfloat16()
+    f32 = [t.float().requires_grad_() for t in (x, w, b)]
+    want = reference.linear_glu(*f32, "gelu")
+    want_grads = torch.autograd.grad(want, f32, d.float())
+    low = [t.clone().requires_grad_() for t in (x, w, b)]
+    plain = reference.linear_glu(*low, "gelu")
+    plain_grads = torch.autograd.grad(plain, low, d)
+    got_in = [t.clone().requires_grad_() for t in (x, w, b)]
+    got = ops.linear_glu(*got_in, "gelu")
+    got_grads = torch.autograd.grad(got, got_in, d)
+    assert_close_to_ref(got, want, plain, atol=1e-3, what="linear_glu")
+    for name, a, c, e in zip(("dx", "dw", "db"), got_grads, plain_grads, want_grads):
+        assert_close_to_ref(a, e, c, atol=1e-3, what=f"linear_glu {name}")
+    with torch.no_grad():
+        assert torch.equal(ops.linear_glu(x, w, b, "gelu"), got.detach())  # in-place inference path: same values

@@ -27,6 +27,7 @@ __all__ = [
     "embed_layer_norm",
     "activation",
     "glu",
+    "linear_glu",
     "rope_inv_freq",
     "rotary",
     "varlen_attention",
@@ -157,6 +158,22 @@ def glu(u_T2F: Tensor, act: str = "gelu", overwrite_input: bool = False) -> Tens
     """
     a, g = u_T2F.float().chunk(2, dim=-1)
     return (_ACTS[check_activation(act)](a) * g).to(u_T2F.dtype)
+
+
+def linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
+    """glu(linear(x, weight, bias), act): a gated MLP's input projection and its gate as one op.
+
+    The two steps as two eager ops run them: the GEMM output u (T, 2F) is rounded to x's dtype,
+    then act(u[:, :F]) * u[:, F:] in fp32 with one rounding. One op so that a kernel may apply the
+    gate in the GEMM's epilogue and never write u.
+    Arguments:
+        x_TD: (T, D). weight: (2F, D) in HF's (out, in) layout, input rows then gate rows
+            (ModernBERT's Wi). bias: (2F,) or None. act: an HF activation name (ModernBERT: "gelu").
+    Return:
+        (T, F) in x's dtype. An unknown `act` raises ConfigError.
+    """
+    check_activation(act)
+    return glu(linear(x_TD, weight, bias), act)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:

@@ -7,14 +7,14 @@ tiles, forward, backward, op), `attention.py` (packed varlen attention: forward 
 `attention_bwd.py` the backward, `attention_op.py` the registered op and the varlen_attention /
 graph_attention entries). Each op is a `torch.library` custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
 registered), and the functions registered here have the reference signatures, so the table calls
-either interchangeably.
+either interchangeably. `linear_glu.py` is the one composite entry: cuBLAS's GEMM, then glu's op.
 """
 
 from packedenc.kernels import register_impl
 from packedenc.kernels.triton import (
     activation, attention_op, cross_entropy, deberta, glu, layer_norm, rotary,
 )
-from packedenc.kernels.triton import graph_readout
+from packedenc.kernels.triton import graph_readout, linear_glu
 
 for _name, _fn in (
     ("layer_norm", layer_norm.layer_norm),
@@ -22,6 +22,7 @@ for _name, _fn in (
     ("embed_layer_norm", layer_norm.embed_layer_norm),
     ("rotary", rotary.rotary),
     ("glu", glu.glu),
+    ("linear_glu", linear_glu.linear_glu),  # cuBLAS GEMM, then the gate kernel (in place in inference)
     ("activation", activation.activation),
     ("deberta_attention", deberta.deberta_attention),
     ("varlen_attention", attention_op.varlen_attention),  # forward and backward, every input

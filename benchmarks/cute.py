@@ -1,0 +1,318 @@
+"""The cute backend (CuteDSL / FlashAttention-4) against packedenc's Triton kernels, on the GPU: the `cute` family.
+
+    python -m benchmarks cute                            # H200, after the gpu-stack: < ~4 min
+    python -m benchmarks cute --only attention geglu     # parts: attention, geglu, norms, model
+
+Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks before it times.
+1. attention: varlen attention (H=12, K=64) on benchmarks/attention.py's workloads `query-64k`,
+   `doc-64k`, `long`, each also with the (64, 64) window (`-window`): `packedenc[cute]` (FA4,
+   `kernels/cute/attention.py`) and `packedenc[triton]` (the op table's "triton" entry). Check:
+   output and dq, dk, dv on the workload's first <= 8192 tokens against the fp32 reference, 2x
+   rule (error <= 2 x that of the plain bf16 attention + 1e-3 x scale), and FA4 at K=128 (H=6)
+   on doc-64k. Time: `fwd_ms` (no grad), `fwd_bwd_ms` (forward + autograd.grad of q, k, v),
+   CUDA events, median of 15 after warm-up (FA4 compiles in the warm-up).
+2. geglu: the MLP input projection at 65,536 x 768 -> 2 x 1152 (`geglu-64k`): every backend that
+   registers `linear_glu` (`packedenc[<backend>]`), plus `torch` (F.linear, then F.gelu(a) * g) and
+   `cublas-gemm` (the GEMM alone: the floor of a fused kernel); `ms`, forward, no grad.
+3. norms: LayerNorm at 65,536 x 768 (`layer_norm-64k`): `quack` (quack-kernels' CuteDSL
+   layernorm_fwd / _bwd, fp32 weight as it requires) vs `packedenc[triton]`; `fwd_ms`, `fwd_bwd_ms`.
+4. model: ModernBERT-base (random weights) `encode` on the first batches of `long` and `doc-64k`
+   (`modernbert-long`, `modernbert-doc-64k`): backend "triton" vs "cute"; `tokens_per_s`, and the
+   minimum per-token cosine of cute's output against triton's.
+
+Records: `geglu-64k` in `results/ops_<gpu>.json` (beside the `ops` family's rows), the rest in
+`results/cute_<gpu>.json`; every record has system, workload, status, gpu, commit, command.
+A part whose packages are missing writes `absent` records with the import error.
+Shapes: T packed tokens, H heads, K head dim, D hidden, F mlp width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import attention as A
+from benchmarks.records import RESULTS_DIR, Run, write_records
+
+BF16 = torch.bfloat16
+PARTS = ("attention", "geglu", "norms", "model")
+T64K, D, FM = 65536, 768, 1152
+
+
+def _cute_error() -> str | None:
+    from packedenc import kernels
+
+    return None if kernels._load_backend("cute") else kernels._IMPORT_ERRORS.get("cute", "not registered")
+
+
+# ---- 1. attention ------------------------------------------------------------------------------------
+
+
+def _check(fn: Callable, lens: list[int], window: tuple[int, int], H: int, K: int) -> dict[str, Any]:
+    """2x-rule errors of fn's output and gradients on the first sequences of `lens` (<= 8192 tokens)."""
+    from packedenc.kernels import reference
+    from packedenc.kernels.reference import backward as reference_bwd
+    from packedenc.packing import segment_ids
+
+    sub = []
+    for n in lens:
+        if sub and sum(sub) + n > 8192:
+            break
+        sub.append(n)
+    T, cu, L = sum(sub), A._cu(sub), max(sub)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (torch.randn(T, H, K, device="cuda", generator=g).to(BF16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, cu, L, window)
+    got = (out.detach(), *torch.autograd.grad(out, leaves, do))
+    f = [t.float() for t in (q, k, v, do)]
+    ref = (reference.varlen_attention(*f[:3], cu, L, window),
+           *reference_bwd.varlen_attention_bwd(f[3], *f[:3], cu, window))
+    seq, i = segment_ids(cu, T), torch.arange(T, device="cuda")  # the plain bf16 attention, autograd
+    keep = (seq[:, None] == seq[None, :]) & ((i[None, :] >= i[:, None] - window[0]) | (window[0] < 0))
+    keep &= (i[None, :] <= i[:, None] + window[1]) | (window[1] < 0)
+    pl = [t.clone().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = (t.transpose(0, 1) for t in pl)
+    p = torch.softmax(((qh @ kh.transpose(1, 2)) * K**-0.5).float().masked_fill(~keep, float("-inf")), -1)
+    po = (p.to(BF16) @ vh).transpose(0, 1)
+    plain = (po.detach(), *torch.autograd.grad(po, pl, do))
+    res: dict[str, Any] = {"check_tokens": T, "check_ok": True}
+    for name, a, r, b in zip(("out", "dq", "dk", "dv"), got, ref, plain):
+        e, base = (a.float() - r).abs().max().item(), (b.float() - r).abs().max().item()
+        res[f"err_{name}"], res[f"err_plain_{name}"] = e, base
+        res["check_ok"] &= math.isfinite(e) and e <= 2 * base + 1e-3 * max(1.0, r.abs().max().item())
+    del ref, plain, p
+    torch.cuda.empty_cache()
+    return res
+
+
+def part_attention(run: Run) -> list[dict[str, Any]]:
+    from packedenc.kernels import get_ops
+
+    systems = {"packedenc[triton]": get_ops("triton", "cuda").varlen_attention}
+    err = _cute_error()
+    if err is None:
+        from packedenc.kernels.cute import attention as fa4
+
+        systems["packedenc[cute]"] = fa4.varlen_attention
+    records = []
+    for wl in (f"{w}{s}" for w in A.WORKLOADS for s in ("", "-window")):
+        lens = A.lengths(wl.removesuffix("-window"))
+        window = A.WINDOW if wl.endswith("-window") else (-1, -1)
+        base = dict(workload=wl, tokens=sum(lens), sequences=len(lens), max_seqlen=max(lens), window=list(window),
+                    heads=A.H, head_dim=A.K)
+        if err is not None:
+            records.append(run.record("packedenc[cute]", status="absent", error=err, **base))
+        for name, fn in systems.items():
+            try:
+                rec = run.record(name, **base, **_check(fn, lens, window, A.H, A.K), **A.time_system(fn, lens, window))
+            except Exception as e:  # noqa: BLE001 - a failing system is a record, not the end of the run
+                traceback.print_exc()
+                rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **base)
+            records.append(rec)
+            print(_line(rec), flush=True)
+    if "packedenc[cute]" in systems:  # FA4's other head dim
+        lens = A.lengths("doc-64k")
+        for window in ((-1, -1), A.WINDOW):
+            wl = "doc-64k-k128" + ("-window" if window != (-1, -1) else "")
+            rec = run.record("packedenc[cute]", workload=wl, heads=6, head_dim=128, window=list(window),
+                             **_check(systems["packedenc[cute]"], lens, window, 6, 128))
+            records.append(rec)
+            print(_line(rec), flush=True)
+    return records
+
+
+# ---- 2. geglu, 3. norms ------------------------------------------------------------------------------
+
+
+def _ms(fn: Callable[[], Any]) -> float:
+    return A.median_ms(fn, reps=20, warmup=5)
+
+
+def part_geglu(run: Run) -> list[dict[str, Any]]:
+    from packedenc import kernels
+    from packedenc.kernels import reference
+
+    kernels._load_backend("triton")
+    kernels._load_backend("cute")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T64K, D, device="cuda", generator=g).to(BF16)
+    w = (torch.randn(2 * FM, D, device="cuda", generator=g) * D**-0.5).to(BF16)
+
+    def plain() -> torch.Tensor:
+        a, b = F.linear(x, w).chunk(2, -1)
+        return F.gelu(a) * b
+
+    systems: dict[str, Callable[[], Any]] = {
+        f"packedenc[{b}]": (lambda f=impls["linear_glu"]: f(x, w, None, "gelu"))
+        for b, impls in kernels._IMPLS.items() if b != "reference" and "linear_glu" in impls
+    }
+    systems |= {"torch": plain, "cublas-gemm": lambda: F.linear(x, w)}
+    rows = slice(0, 8192)  # the fp32 check on the first rows (the whole fp32 GEMM would be 0.6 GB more)
+    want = reference.linear_glu(x[rows].float(), w.float(), None, "gelu")
+    base_err = (reference.linear_glu(x[rows], w, None, "gelu").float() - want).abs().max().item()
+    fields = dict(workload="geglu-64k", tokens=T64K, shape=f"{T64K} x {D} -> 2 x {FM}", op="linear_glu")
+    records = []
+    for name, fn in systems.items():
+        try:
+            with torch.no_grad():
+                extra = {}
+                if name != "cublas-gemm":
+                    e = (fn()[rows].float() - want).abs().max().item()
+                    extra = dict(err=e, err_ratio=e / base_err if base_err else None)
+                rec = run.record(name, ms=_ms(fn), **fields, **extra)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
+        records.append(rec)
+        print(_line(rec), flush=True)
+    return records
+
+
+def part_norms(run: Run) -> list[dict[str, Any]]:
+    from packedenc.kernels import get_ops, reference
+
+    fields = dict(workload="layer_norm-64k", tokens=T64K, hidden=D)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T64K, D, device="cuda", generator=g).to(BF16)
+    w = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(BF16)
+    dy = torch.randn(T64K, D, device="cuda", generator=g).to(BF16)
+    want = reference.layer_norm(x.float(), w.float(), None, 1e-5)
+    base_err = (reference.layer_norm(x, w, None, 1e-5).float() - want).abs().max().item()
+    tri = get_ops("triton", "cuda").layer_norm
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    systems: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "packedenc[triton]": (lambda: tri(x, w, None, 1e-5),
+                              lambda: torch.autograd.grad(tri(xl, wl, None, 1e-5), (xl, wl), dy)),
+    }
+    try:
+        from quack.rmsnorm import layernorm_bwd, layernorm_fwd
+
+        w32 = w.float()
+
+        def quack_fwd_bwd():
+            _, rstd, mean = layernorm_fwd(x, w32, None, 1e-5, return_rstd=True, return_mean=True)
+            return layernorm_bwd(x, w32, dy, rstd, mean, has_bias=False)
+
+        systems["quack"] = (lambda: layernorm_fwd(x, w32, None, 1e-5), quack_fwd_bwd)
+    except Exception as e:  # noqa: BLE001 - quack-kernels missing or broken: an "absent" record says why
+        quack_err = f"{type(e).__name__}: {e}"[:300]
+    records = [] if "quack" in systems else [run.record("quack", status="absent", error=quack_err, **fields)]
+    for name, (fwd, fwd_bwd) in systems.items():
+        try:
+            with torch.no_grad():
+                e = (fwd().float() - want).abs().max().item()
+                f_ms = _ms(fwd)
+            rec = run.record(name, fwd_ms=f_ms, fwd_bwd_ms=_ms(fwd_bwd), err=e,
+                             err_ratio=e / base_err if base_err else None, **fields)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
+        records.append(rec)
+        print(_line(rec), flush=True)
+    return records
+
+
+# ---- 4. model ------------------------------------------------------------------------------------------
+
+
+def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
+    import packedenc as pe
+    from benchmarks.workloads import MODERNBERT_WORKLOADS, workload_named
+    from packedenc.models.modernbert import ModernBertConfig, init
+
+    params = pe.tree_to(init(ModernBertConfig(), torch.Generator().manual_seed(0), dtype=BF16), "cuda")
+    err = _cute_error()
+    records = []
+    for name in ("long", "doc-64k"):
+        wl = workload_named(name, MODERNBERT_WORKLOADS, params.config.vocab_size)
+        packs = [wl.batch(i) for i in range(min(batches, len(wl.batches)))]
+        inputs = [(b.ids.to("cuda"), b.cu_seqlens.to("cuda"), b.max_seqlen) for b in packs]
+        fields = dict(workload=f"modernbert-{name}", model="modernbert-base", batches=len(inputs),
+                      tokens=sum(int(i[0].numel()) for i in inputs))
+        outs = {}
+        for backend in ("triton", "cute"):
+            system = f"packedenc[{backend}]"
+            if backend == "cute" and err is not None:
+                records.append(run.record(system, status="absent", error=err, **fields))
+                continue
+            try:
+                with torch.no_grad():
+                    outs[backend] = pe.encode(params, *inputs[0], backend=backend)
+                    ms = sum(A.median_ms(lambda i=i: pe.encode(params, *i, backend=backend), reps=5, warmup=2)
+                             for i in inputs)
+                extra = {}
+                if backend == "cute":
+                    cos = F.cosine_similarity(outs["cute"].float(), outs["triton"].float(), dim=-1)
+                    extra = dict(min_cos_vs_triton=cos.min().item(),
+                                 ops=",".join(f"{o}={b}" for o, b in pe.get_ops("cute", "cuda").chosen))
+                rec = run.record(system, tokens_per_s=fields["tokens"] / ms * 1e3, ms=ms, **fields, **extra)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rec = run.record(system, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
+            records.append(rec)
+            print(_line(rec), flush=True)
+    return records
+
+
+# ---- records and table ---------------------------------------------------------------------------------
+
+
+def _line(r: dict[str, Any]) -> str:
+    head = f"{r['workload']:22s} {r['system']:18s}"
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()}: {str(r.get('error'))[:90]}"
+    cells = [f"{k} {r[k]:.3f}" for k in ("fwd_ms", "fwd_bwd_ms", "ms") if r.get(k) is not None]
+    if r.get("tokens_per_s"):
+        cells.append(f"{r['tokens_per_s'] / 1e6:.3f}M tok/s")
+    if "check_ok" in r:
+        worst = max(("out", "dq", "dk", "dv"), key=lambda n: r[f"err_{n}"] / max(r[f"err_plain_{n}"], 1e-9))
+        cells.append(f"check {'ok' if r['check_ok'] else 'FAIL'} ({worst} {r[f'err_{worst}']:.1e} "
+                     f"vs plain {r[f'err_plain_{worst}']:.1e})")
+    if r.get("err_ratio") is not None:
+        cells.append(f"err/bf16-ref {r['err_ratio']:.2f}")
+    if r.get("min_cos_vs_triton") is not None:
+        cells.append(f"min cos vs triton {r['min_cos_vs_triton']:.5f}")
+    return f"{head} " + ", ".join(cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks cute", description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="*", choices=PARTS, help="default: every part")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU (sm90+ for the cute backend)")
+        return 2
+    device = torch.device("cuda")
+    run = Run.start("cute", device, argv or [])
+    print(f"cute backend: {_cute_error() or 'loads'}", flush=True)
+    t0, records = time.perf_counter(), []
+    parts = {"attention": part_attention, "geglu": part_geglu, "norms": part_norms, "model": part_model}
+    for name in a.only or PARTS:
+        print(f"\n## {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        records += parts[name](run)
+    print(f"\n## cute vs triton, bf16 on {run.gpu} ({time.perf_counter() - t0:.0f}s, commit {run.commit})")
+    print("\n".join(_line(r) for r in records))
+    if not a.no_write:
+        ops_run = dataclasses.replace(run, family="ops")  # geglu-64k lives beside the ops family's rows
+        geglu = [{**r, "family": "ops"} for r in records if r["workload"] == "geglu-64k"]
+        rest = [r for r in records if r["workload"] != "geglu-64k"]
+        for recs, path in ((geglu, ops_run.path(a.out_dir)), (rest, run.path(a.out_dir))):
+            if recs:
+                write_records(recs, path)
+                print(f"records: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

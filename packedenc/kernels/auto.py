@@ -1,0 +1,108 @@
+"""backend="auto" on a CUDA device: which implementation serves each op, and the measurement behind it.
+
+`AUTO_CUDA[op]` lists rows in order of preference. A row names a backend, optionally a shape
+class (`shape`, a rule in `SHAPES` over the op's arguments: host values only, no device sync),
+and the committed benchmark record that shows it beats what it replaces (`evidence`: a file in
+benchmarks/results/, the metric, the two systems, the workloads). The op table
+(`kernels/__init__.py`) takes the rows that have evidence (or are fallbacks), in order, among the
+backends that load on this machine; a row with a shape class or a partial backend (a `covers`
+rule) serves only its calls and hands the rest to the next row.
+
+A row without evidence is listed and never chosen (`why_not` says why): the place for an
+implementation that exists but has not been measured, or that lost. A fallback row needs no
+record: it only replaces the plain-torch reference, a dense spec that no GPU run should reach.
+`tests/kernels/test_cute.py` reads every cited record and checks that it shows the win.
+Ops with no row use `DEFAULT`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """A committed record showing `system` beats `rival` on `metric` for every one of `workloads`."""
+
+    file: str  # in benchmarks/results/
+    metric: str  # a record field: *_ms and ms_per_batch lower is better, *_per_s higher
+    system: str  # the record's name for this row's implementation
+    rival: str  # what it replaces
+    workloads: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.system} beats {self.rival} on {self.metric} ({', '.join(self.workloads)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    backend: str
+    evidence: Evidence | None = None
+    shape: str | None = None  # a key of SHAPES; None: every call the backend covers
+    fallback: bool = False  # replaces only the reference: chosen without a record
+    why_not: str = ""  # for a row without evidence: why it is not chosen
+
+    @property
+    def chosen(self) -> bool:
+        return self.evidence is not None or self.fallback
+
+    @property
+    def name(self) -> str:
+        """The name in `Ops.chosen` chains: "cute[long-global]" for a shaped row, else the backend."""
+        return self.backend if self.shape is None else f"{self.backend}[{self.shape}]"
+
+
+# ---- shape classes (same arguments as the op; host values only) --------------------------------
+
+# The longest sequence from which FA4 is a candidate for global layers. Not measured here yet:
+# issue 21's runs saw FA4 ahead of the Triton kernel on the forward of doc-64k (longest 2048) and
+# long (8192), behind on query-64k (128). benchmarks/cute.py times those workloads; its records
+# settle this number before the row below gets evidence.
+LONG_SEQLEN = 2048
+
+
+def long_global_inference(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                          window: tuple[int, int] = (-1, -1), scale: float | None = None, **_) -> bool:
+    """varlen_attention of a global layer over long sequences, with no gradient to compute."""
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q_THK, k_THK, v_THK))
+    return tuple(window) == (-1, -1) and max_seqlen >= LONG_SEQLEN and not training
+
+
+SHAPES = {"long-global": long_global_inference}
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+_RESULTS = ("query-64k", "query-64k-window", "doc-64k", "doc-64k-window", "long", "long-window")
+# The fused ops in a whole model (plain torch: F.layer_norm, torch's flash varlen attention, ...).
+# Not `query`: there eager ModernBERT is host-bound and slower than plain torch; `packedenc+graphs` wins.
+_MODEL = Evidence("modernbert_h200.json", "tokens_per_s", "packedenc", "torch-packed",
+                  ("doc", "long", "query-64k", "doc-64k", "long-64k"))
+
+AUTO_CUDA: dict[str, tuple[Row, ...]] = {
+    "varlen_attention": (
+        Row("cute", None, "long-global", why_not="not measured: benchmarks/cute.py records FA4 vs Triton"),
+        Row("triton", Evidence("attention_h200.json", "fwd_ms", "packedenc", "torch-flash", _RESULTS)),
+        Row("flash", fallback=True),
+    ),
+    "graph_attention": (  # triton: full layers' fp16 / bf16 fused qkv; flash: the anchor-only layer and fp32
+        Row("triton", Evidence("graph_h200.json", "tokens_per_s", "packedenc", "packedenc[attn=efficient]",
+                               ("fwd-bf16", "train-bf16"))),
+        Row("flash", Evidence("graph_h200.json", "tokens_per_s", "packed-aten-efficient", "padded-sdpa",
+                              ("fwd-fp32", "train-fp32"))),
+    ),
+    "deberta_attention": (
+        Row("triton", Evidence("deberta_h200.json", "tokens_per_s", "packedenc", "disentangled-flash",
+                               ("mnli", "doc1k", "long"))),
+    ),
+}
+DEFAULT: tuple[Row, ...] = (Row("triton", _MODEL),)
+
+
+def rows(op: str) -> tuple[Row, ...]:
+    return AUTO_CUDA.get(op, DEFAULT)

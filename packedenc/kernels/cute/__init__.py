@@ -1,0 +1,24 @@
+"""CuteDSL kernels and the FlashAttention-4 path: the optional "cute" backend (sm90+).
+
+    pip install 'packedenc[cute]'    # nvidia-cutlass-dsl, flash-attn-4, quack-kernels, pinned
+
+What it registers (`backend.py`, imported by the op table when "cute" is asked for or tried by
+"auto"): `varlen_attention` through FlashAttention-4's CuteDSL varlen kernels, forward and
+backward, global and windowed, head dims 64 and 128, fp16 / bf16 (`attention.py`, its `covers_fa4`
+says which calls it takes; the table routes the rest to the next choice).
+Without the extra, `backend="cute"` raises a ConfigError that names it; "auto" never picks it.
+Whether "auto" picks it where it is installed is `kernels/auto.py`'s table, from measurements.
+
+## Compile cache (why the first call of each kernel takes ~0.5 s)
+
+CuteDSL compiles each kernel (per dtype, head dim, window / global, training or not) the first
+time it runs in a process. FA4 keeps the compiled kernels on disk when asked to, before
+`flash_attn.cute` is first imported (it reads the variables at import):
+
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=~/.cache/packedenc/fa4   # default: $TMPDIR/$USER/...
+    python -m packedenc.kernels.cute --head-dims 64 --dtypes bf16      # warm it once per machine
+
+Later processes with the same two variables load the kernels instead of compiling them. The cache
+is keyed by the FA4 / cutlass / Python versions, so an upgrade recompiles on first use.
+"""

@@ -1,0 +1,30 @@
+"""Registers the "cute" backend's implementations in the op table (imported by `kernels/__init__.py`).
+
+The import fails where CuteDSL or FlashAttention-4 is missing: the op table records that and turns
+it into a ConfigError for `backend="cute"` that names the extra (`pip install 'packedenc[cute]'`);
+"auto" skips cute.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packedenc.kernels import register_impl
+
+REQUIRES = {"cutlass": "nvidia-cutlass-dsl", "cutlass.cute": "nvidia-cutlass-dsl",
+            "flash_attn.cute": "flash-attn-4"}
+
+
+def _require() -> None:
+    for module, package in REQUIRES.items():
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # missing, or present without its CUDA libraries
+            raise ImportError(f"{module} ({package}) does not import: {type(e).__name__}: {e}") from e
+
+
+_require()
+
+from packedenc.kernels.cute import attention  # noqa: E402 (after the check: its CUDA kernels import FA4)
+
+register_impl("cute", "varlen_attention", attention.varlen_attention, covers=attention.covers_fa4)
