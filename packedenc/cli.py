@@ -91,6 +91,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     from packedenc.hub import resolve
     from packedenc.pytree import tree_leaves
 
+    if args.ops:  # the op table alone: no model needed
+        from packedenc.kernels import describe_ops
+
+        print(describe_ops(args.backend, args.device or "cuda"))
+        return 0
     root = resolve(inputs.model_path(args.model))
     device = inputs.device(args.device)
     params = pe.load(inputs.backbone_folder(root))
@@ -225,7 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print a model's config, parameter count, sentence-transformers modules, "
                                    "tokenizer limit and the kernel backend chosen for every op.")
     i.add_argument("model", nargs="?", help=model_help)
-    i.add_argument("--device", help="device whose backends to report (default: cuda when available)")
+    i.add_argument("--device", help="device whose backends to report (default: cuda when available; "
+                                    "with --ops: cuda)")
+    i.add_argument("--ops", action="store_true",
+                   help="print the implementation chosen for every op (and why, with the benchmark record "
+                        "behind each choice), then exit; no model needed")
+    i.add_argument("--backend", default="auto", help="with --ops: auto, reference, triton, flash, cute")
     i.set_defaults(func=cmd_info)
 
     b = sub.add_parser("bench", help="quick tokens/s of the encoder on a device",
@@ -237,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=inputs.positive_int, help="tokens per batch (default 16384 on CUDA, 2048 on CPU)")
     b.add_argument("--seq-len", type=inputs.positive_int, default=128, help="tokens per sequence (default 128)")
     b.add_argument("--seconds", type=float, default=2.0, help="time to spend measuring (default 2)")
-    b.add_argument("--backend", default="auto", help="auto, reference, triton, flash")
+    b.add_argument("--backend", default="auto", help="auto, reference, triton, flash, cute")
     b.set_defaults(func=cmd_bench)
     cli_shards.add_merge_parser(sub, cmd_merge)
     _add_debug(sub)

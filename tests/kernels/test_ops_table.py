@@ -220,3 +220,13 @@ def test_gpu_triton_linear_glu_two_x_rule_forward_and_gradients():
         assert_close_to_ref(a, e, c, atol=1e-3, what=f"linear_glu {name}")
     with torch.no_grad():
         assert torch.equal(ops.linear_glu(x, w, b, "gelu"), got.detach())  # in-place inference path: same values
+
+
+def test_cli_info_ops_prints_every_op_without_a_model(capsys):
+    from packedenc import cli
+
+    assert cli.main(["info", "--ops", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "backend='auto' on cpu" in out
+    for op in OP_NAMES:
+        assert f"\n{op} " in out, op
