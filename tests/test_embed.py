@@ -146,3 +146,26 @@ def test_other_families_embed_too(tmp_path):
         b = pe.pack_texts(str(tmp_path), [t])
         ref.append(pe.encode(params, b.ids, b.cu_seqlens, backend="reference").mean(0))
     torch.testing.assert_close(out, torch.stack(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_graphs_need_a_cuda_model_and_default_off_on_the_cpu(tiny):
+    texts = [t for t in sentences() if len(t) < 150][:10]
+    with pytest.raises(pe.ConfigError, match="graphs=True needs a CUDA model"):
+        run(tiny, texts, graphs=True)
+    torch.testing.assert_close(run(tiny, texts), run(tiny, texts, graphs=False), atol=0, rtol=0)
+    assert tiny not in embed_mod._GRAPHED  # nothing captured or kept on the CPU
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_embed_equals_eager_and_is_kept_with_the_model(tiny):
+    """CUDA default: the backbone replays as lazy CUDA graphs (a batch shape seen twice replays),
+    the same embeddings as the eager encode, and later calls reuse the model's graphed encoder."""
+    model = pe.load_sentence_transformer(tiny.folder, device="cuda")
+    texts = [t for t in sentences() if len(t) < 200][:60]
+    eager = pe.embed(model, texts, graphs=False, progress=False, max_tokens=256)
+    first = pe.embed(model, texts, progress=False, max_tokens=256)  # default on CUDA: graphs
+    (g,) = embed_mod._GRAPHED[model].values()
+    again = pe.embed(model, texts, progress=False, max_tokens=256)  # the same buckets: replays
+    assert embed_mod._GRAPHED[model][next(iter(embed_mod._GRAPHED[model]))] is g and g.num_graphs >= 1
+    for out in (first, again):
+        torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-4)

@@ -57,8 +57,9 @@ class _Entry:
     ids: Tensor
     cu: Tensor
     pos: Tensor | None
-    graph: Any = None  # torch.cuda.CUDAGraph, None when capture=False
+    graph: Any = None  # torch.cuda.CUDAGraph, None when capture=False (or not captured yet)
     out: Tensor | None = None  # the graph's static output
+    uses: int = 0
 
 
 class GraphedEncode:
@@ -66,7 +67,7 @@ class GraphedEncode:
 
     def __init__(self, fn: EncodeFn, *, device: torch.device, max_tokens: int, max_seqs: int,
                  token_buckets: Sequence[int] | None = None, seq_buckets: Sequence[int] | None = None,
-                 max_graphs: int = 32, warmup: int = 2, pad_id: int = 0, capture: bool = True,
+                 max_graphs: int = 32, warmup: int = 2, pad_id: int = 0, capture: bool = True, lazy: bool = False,
                  vocab_size: int | None = None) -> None:
         for name, v in (("max_tokens", max_tokens), ("max_seqs", max_seqs), ("max_graphs", max_graphs)):
             if not isinstance(v, int) or v < 1:
@@ -78,7 +79,7 @@ class GraphedEncode:
             )
         self.fn, self.device, self.capture = fn, device, capture
         self.max_tokens, self.max_seqs, self.max_graphs = max_tokens, max_seqs, max_graphs
-        self.warmup, self.pad_id, self.vocab_size = warmup, pad_id, vocab_size
+        self.warmup, self.pad_id, self.vocab_size, self.lazy = warmup, pad_id, vocab_size, lazy
         self.seq_buckets = checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
         if self.seq_buckets[-1] < max_seqs:
             self.seq_buckets += (max_seqs,)
@@ -139,18 +140,16 @@ class GraphedEncode:
         with torch.inference_mode(False), torch.no_grad():
             entry = self._entries.get(bucket)
             if entry is None:
-                entry = self._new_entry(bucket)
-                fill_padded(bucket, ids, cu_seqlens, positions, entry.ids, entry.cu, entry.pos, self.pad_id)
-                if self.capture:
-                    self._capture(bucket, entry)
-                self._entries[bucket] = entry
+                entry = self._entries[bucket] = self._new_entry(bucket)
                 while len(self._entries) > self.max_graphs:
                     self._entries.popitem(last=False)
-            else:
-                self._entries.move_to_end(bucket)
-                fill_padded(bucket, ids, cu_seqlens, positions, entry.ids, entry.cu, entry.pos, self.pad_id)
-            if not self.capture:
+            self._entries.move_to_end(bucket)
+            fill_padded(bucket, ids, cu_seqlens, positions, entry.ids, entry.cu, entry.pos, self.pad_id)
+            entry.uses += 1
+            if not self.capture or (self.lazy and entry.uses == 1):  # lazy: a bucket met once runs eagerly
                 return self._run(bucket, entry)[:T].clone()
+            if entry.graph is None:
+                self._capture(bucket, entry)
             entry.graph.replay()
             return entry.out[:T].clone()
 
@@ -275,7 +274,7 @@ def _allocating_from(pool: Any, device: torch.device) -> Any:
 def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto",
             device: torch.device | str | None = None, token_buckets: Sequence[int] | None = None,
             seq_buckets: Sequence[int] | None = None, max_graphs: int = 32, warmup: int = 2,
-            pad_id: int = 0, capture: bool = True) -> GraphedEncode:
+            pad_id: int = 0, capture: bool = True, lazy: bool = False) -> GraphedEncode:
     """An opt-in CUDA-graphed encode for batches of at most `max_tokens` tokens in `max_seqs` sequences.
 
     Arguments:
@@ -294,6 +293,9 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
         max_graphs: LRU size; warmup: eager runs before each capture.
         pad_id: token id of the padding tokens (must be inside the vocabulary).
         capture: False runs the same bucketed, padded buffers eagerly (CPU tests, debugging).
+        lazy: capture a bucket at its second use; its first runs eagerly. For streams of batches
+            whose buckets may not repeat (`embed`'s token-budget batches): a bucket met once then
+            costs no warm-up and no capture.
     Return:
         a `GraphedEncode`; call it like `encode(ids, cu_seqlens, max_seqlen, positions)`.
     """
@@ -328,4 +330,4 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
         get_ops(backend, device)  # an unknown backend, or one that cannot run on this device, fails now
     return GraphedEncode(fn, device=device, max_tokens=max_tokens, max_seqs=max_seqs,
                          token_buckets=token_buckets, seq_buckets=seq_buckets, max_graphs=max_graphs,
-                         warmup=warmup, pad_id=pad_id, capture=capture, vocab_size=vocab_size)
+                         warmup=warmup, pad_id=pad_id, capture=capture, vocab_size=vocab_size, lazy=bool(lazy))

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import queue
 import threading
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -58,7 +59,8 @@ class TokenEmbeddings:
 def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling: str | None = None,
           normalize: bool | None = None, progress: bool = True, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None, prompt: str | None = None, query: bool = False,
-          max_length: int | None = None, truncate: bool = True, backend: str = "auto") -> Tensor | TokenEmbeddings:
+          max_length: int | None = None, truncate: bool = True, backend: str = "auto",
+          graphs: bool | None = None) -> Tensor | TokenEmbeddings:
     """Embed texts with a sentence-transformers / PyLate / HF model.
 
     Arguments:
@@ -78,6 +80,9 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         max_length: tokens per text, special tokens included (default: the model's limit).
         truncate: cut longer texts (one `TruncationWarning` with the count) or raise `InputError`.
         backend: kernel backend for the backbone ("auto", "reference", ...).
+        graphs: replay the backbone as CUDA graphs (`packedenc.cudagraphs.graphed`, lazy: a batch
+            shape seen once runs eagerly, a repeated one replays). Default: on for a CUDA model,
+            off elsewhere; the graphed encoder is kept with the model and reused by later calls.
     Every batch is checked as it is packed, on the host (token ids against the model's vocabulary,
     lengths against its limit), so the device never sees an id it cannot embed and no check reads
     GPU data.
@@ -98,25 +103,23 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
 
     # Long jobs only: a bar for a handful of texts is noise (and `delay` hides short ones anyway).
     bar = tqdm(total=n, unit="text", desc="embed", disable=not progress or n <= 64, delay=2.0, leave=False)
+    encode = _encoder(model, backend, max_tokens, model.device.type == "cuda" if graphs is None else graphs)
+    pending = None  # the previous batch's results: read back while the device runs the next batch
     try:
         with torch.inference_mode():
             for idx, batch, prompt_length in _batches(model, texts, max_tokens, prompt, query, max_length,
                                                       truncate, cut_total, limit_used):
                 batch = batch.to(model.device)
-                hidden = _encode(model, batch, backend)
-                f = run_modules(modules, hidden, batch, prompt_length=prompt_length,
+                f = run_modules(modules, encode(batch), batch, prompt_length=prompt_length,
                                 task="query" if query else "document")
-                if "sentence_embedding" in f and not model.multi_vector:
-                    emb = f["sentence_embedding"].float().cpu()
-                    if out is None:
-                        out = torch.empty(n, emb.shape[1], dtype=torch.float32)
-                    out[torch.as_tensor(idx)] = emb
-                else:
-                    cu = f["cu_seqlens"].cpu().tolist()
-                    vals = f["token_embeddings"].float().cpu()
-                    for j, i in enumerate(idx):
-                        per_text[i] = vals[cu[j]:cu[j + 1]]
-                bar.update(len(idx))
+                current = _read_back(idx, f, model.multi_vector)
+                if pending is not None:
+                    out = _store(pending, out, per_text, n)
+                    bar.update(len(pending[0]))
+                pending = current
+            if pending is not None:
+                out = _store(pending, out, per_text, n)
+                bar.update(len(pending[0]))
     finally:
         bar.close()
     if cut_total:
@@ -138,10 +141,68 @@ def _check_args(texts: Any, max_tokens: Any, prompt: Any) -> list[str]:
     return texts
 
 
-def _encode(model: SentenceModel, batch: Packed, backend: str) -> Tensor:
+# A model's graphed encoders, kept with the model (not its folder: a reload is a new params tree)
+_GRAPHED: "weakref.WeakKeyDictionary[SentenceModel, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _encoder(model: SentenceModel, backend: str, max_tokens: int, graphs: bool):
+    """batch -> hidden states: the eager encode, or the model's graphed one for this budget."""
     from packedenc.models import encode
 
-    return encode(model.params, batch.ids, batch.cu_seqlens, batch.max_seqlen, batch.positions, backend=backend)
+    def eager(batch: Packed) -> Tensor:
+        return encode(model.params, batch.ids, batch.cu_seqlens, batch.max_seqlen, batch.positions, backend=backend)
+
+    if not graphs:
+        return eager
+    if model.device.type != "cuda":
+        raise ConfigError(f"graphs=True needs a CUDA model, this one is on {model.device}; use graphs=False")
+    from packedenc.cudagraphs import graphed
+
+    # A token-budget batch of short texts holds many sequences: budget them at one per 8 tokens
+    # (shorter texts' batches exceed it and run eagerly).
+    key = (backend, max_tokens)
+    g = _GRAPHED.setdefault(model, {}).get(key)
+    if g is None:
+        g = _GRAPHED[model][key] = graphed(model.params, max_tokens=max_tokens, max_seqs=max(64, max_tokens // 8),
+                                           backend=backend, lazy=True)
+
+    def replayed(batch: Packed) -> Tensor:
+        if not g.fits(batch.num_tokens, batch.num_seqs):
+            return eager(batch)
+        return g(batch.ids, batch.cu_seqlens, batch.max_seqlen, batch.positions)
+
+    return replayed
+
+
+def _read_back(idx: list[int], f: dict[str, Any], multi_vector: bool) -> tuple:
+    """Start copying a batch's results to the host (pinned, asynchronous on CUDA)."""
+    if "sentence_embedding" in f and not multi_vector:
+        vals, cu = f["sentence_embedding"].float(), None
+    else:
+        vals, cu = f["token_embeddings"].float(), f["cu_seqlens"]
+    if vals.is_cuda:
+        host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+        host.copy_(vals, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return idx, host, None if cu is None else cu.cpu(), done
+    return idx, vals, None if cu is None else cu, None
+
+
+def _store(pending: tuple, out: Tensor | None, per_text: list, n: int) -> Tensor | None:
+    """Write a batch's read-back results at its caller indices (waits for its copy)."""
+    idx, vals, cu, done = pending
+    if done is not None:
+        done.synchronize()
+    if cu is None:
+        if out is None:
+            out = torch.empty(n, vals.shape[1], dtype=torch.float32)
+        out[torch.as_tensor(idx)] = vals
+        return out
+    bounds = cu.tolist()
+    for j, i in enumerate(idx):
+        per_text[i] = vals[bounds[j]:bounds[j + 1]]
+    return out
 
 
 def _as_model(model: Any, device: torch.device | str | None, dtype: torch.dtype | None) -> SentenceModel:
