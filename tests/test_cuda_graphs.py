@@ -353,3 +353,33 @@ def test_gpu_graphs_hold_about_one_batch_of_memory():
     for b in batches[:3]:  # and the replays are still right
         out = g(b.ids, b.cu_seqlens, b.max_seqlen)
         assert _cosine_rows(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen)).min() >= 0.999
+
+
+def test_dummy_sequences_stay_within_the_models_position_limit():
+    """A BERT-like model refuses sequences longer than its position table: the token tail's dummy
+    sequences must stay within it (more dummy slots: a larger sequence bucket), and L_b too."""
+    from packedenc.cudagraphs.buckets import plan_bucket
+
+    tb, sb = (64, 128, 256, 512, 1024, 2048), (1, 2, 4, 8, 16)
+    free = plan_bucket(700, 3, 90, token_buckets=tb, seq_buckets=sb)
+    assert (free.tokens, free.seqs, free.max_seqlen) == (1024, 4, 256)  # 2 dummies of 162 tokens, unbounded
+    capped = plan_bucket(700, 3, 90, token_buckets=tb, seq_buckets=sb, max_len=100)
+    assert (capped.tokens, capped.seqs, capped.max_seqlen) == (1024, 8, 100)  # 6 dummies of 54; L_b capped
+    with pytest.raises(pe.InputError, match="dummy slots"):
+        plan_bucket(700, 3, 90, token_buckets=tb, seq_buckets=(4,), max_len=100)
+
+
+def test_graphed_encode_knows_the_limit_of_a_bert_params_tree():
+    from packedenc.models import bert
+
+    cfg = bert.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          intermediate_size=48, max_position_embeddings=40)
+    params = pe.init(cfg, torch.Generator().manual_seed(0))
+    g = graphed(params, max_tokens=256, max_seqs=8, capture=False, backend="reference")
+    assert g.max_len == 40
+    b = pe.pack([[5] * 30, [6] * 25, [7] * 3])
+    assert g.fits(b.num_tokens, b.num_seqs, b.max_seqlen)
+    out = g(b.ids, b.cu_seqlens, b.max_seqlen)
+    torch.testing.assert_close(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference"),
+                               atol=1e-5, rtol=1e-5)
+    assert all(bk.max_seqlen <= 40 for bk in g.buckets)

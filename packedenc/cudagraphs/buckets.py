@@ -71,25 +71,32 @@ def _smallest_at_least(buckets: Sequence[int], n: int) -> int | None:
 
 
 def plan_bucket(num_tokens: int, num_seqs: int, max_seqlen: int, *, token_buckets: Sequence[int],
-                seq_buckets: Sequence[int], positions: bool = False) -> Bucket:
+                seq_buckets: Sequence[int], positions: bool = False, max_len: int | None = None) -> Bucket:
     """The bucket a batch of `num_tokens` tokens in `num_seqs` sequences is padded to.
 
+    `max_len`: the model's longest sequence (its position table), or None. Dummy sequences then
+    stay within it: the smallest sequence bucket whose dummy slots split the token tail into
+    sequences of at most `max_len` tokens, and `L_b` never above it.
     Raises InputError when no bucket is large enough (the caller checks the budget first, so this
-    means the bucket lists are too short).
+    means the bucket lists are too short, or too few dummy slots for the tail under `max_len`).
     """
-    S_b = _smallest_at_least(seq_buckets, num_seqs)
-    if S_b is None:
+    if _smallest_at_least(seq_buckets, num_seqs) is None:
         raise InputError(f"{num_seqs} sequences exceed the largest sequence bucket {max(seq_buckets)}")
-    n_dummy = S_b + 1 - num_seqs  # >= 1: the tail slot is always there
-    T_b = _smallest_at_least(token_buckets, num_tokens + n_dummy)  # every dummy gets >= 1 token
-    if T_b is None:
-        raise InputError(
-            f"{num_tokens} tokens + {n_dummy} dummy sequences exceed the largest token bucket {max(token_buckets)}"
-        )
-    longest_dummy = -(-(T_b - num_tokens) // n_dummy)
-    need = max(max_seqlen, longest_dummy, 1)
-    L_b = min(1 << (need - 1).bit_length(), T_b)  # next power of two, never above the buffer
-    return Bucket(T_b, S_b, L_b, positions)
+    for S_b in (b for b in seq_buckets if b >= num_seqs):
+        n_dummy = S_b + 1 - num_seqs  # >= 1: the tail slot is always there
+        T_b = _smallest_at_least(token_buckets, num_tokens + n_dummy)  # every dummy gets >= 1 token
+        if T_b is None:
+            raise InputError(f"{num_tokens} tokens + {n_dummy} dummy sequences exceed the largest token "
+                             f"bucket {max(token_buckets)}")
+        longest_dummy = -(-(T_b - num_tokens) // n_dummy)
+        if max_len is None or longest_dummy <= max_len:
+            need = max(max_seqlen, longest_dummy, 1)
+            L_b = min(1 << (need - 1).bit_length(), T_b)  # next power of two, never above the buffer
+            if max_len is not None and need <= max_len:
+                L_b = min(L_b, max_len)
+            return Bucket(T_b, S_b, L_b, positions)
+    raise InputError(f"the token tail of {num_tokens} tokens in {num_seqs} sequences does not fit the dummy "
+                     f"slots of any sequence bucket within {max_len} tokens a sequence")
 
 
 def _tail_split(num_tokens: int, num_seqs: int, bucket: Bucket) -> tuple[int, int, int]:

@@ -68,6 +68,7 @@ class GraphedEncode:
     def __init__(self, fn: EncodeFn, *, device: torch.device, max_tokens: int, max_seqs: int,
                  token_buckets: Sequence[int] | None = None, seq_buckets: Sequence[int] | None = None,
                  max_graphs: int = 32, warmup: int = 2, pad_id: int = 0, capture: bool = True, lazy: bool = False,
+                 max_len: int | None = None,
                  vocab_size: int | None = None) -> None:
         for name, v in (("max_tokens", max_tokens), ("max_seqs", max_seqs), ("max_graphs", max_graphs)):
             if not isinstance(v, int) or v < 1:
@@ -80,6 +81,7 @@ class GraphedEncode:
         self.fn, self.device, self.capture = fn, device, capture
         self.max_tokens, self.max_seqs, self.max_graphs = max_tokens, max_seqs, max_graphs
         self.warmup, self.pad_id, self.vocab_size, self.lazy = warmup, pad_id, vocab_size, lazy
+        self.max_len = max_len  # the model's longest sequence: dummy sequences stay within it
         self.seq_buckets = checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
         if self.seq_buckets[-1] < max_seqs:
             self.seq_buckets += (max_seqs,)
@@ -104,13 +106,22 @@ class GraphedEncode:
     def num_graphs(self) -> int:
         return len(self._entries)
 
-    def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        """Whether a batch of this size is within the budget (else `__call__` raises)."""
-        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+    def fits(self, num_tokens: int, num_seqs: int, max_seqlen: int | None = None) -> bool:
+        """Whether a batch of this size is within the budget (else `__call__` raises). With
+        `max_seqlen`, also whether its padding fits the model's position limit (`max_len`)."""
+        if num_tokens > self.max_tokens or num_seqs > self.max_seqs:
+            return False
+        if max_seqlen is None or self.max_len is None:
+            return True
+        try:
+            self.bucket_for(num_tokens, num_seqs, max_seqlen)
+        except InputError:
+            return False
+        return True
 
     def bucket_for(self, num_tokens: int, num_seqs: int, max_seqlen: int, positions: bool = False) -> Bucket:
         return plan_bucket(num_tokens, num_seqs, max_seqlen, token_buckets=self.token_buckets,
-                           seq_buckets=self.seq_buckets, positions=positions)
+                           seq_buckets=self.seq_buckets, positions=positions, max_len=self.max_len)
 
     def clear(self) -> None:
         """Drop every captured graph and its buffers (later captures go to a fresh memory pool)."""
@@ -304,15 +315,16 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
     if not isinstance(pad_id, int) or isinstance(pad_id, bool):
         raise ConfigError(f"pad_id must be an int token id, got {pad_id!r}")
     device = as_device(device)
-    vocab_size = None
+    vocab_size = max_len = None
     if callable(target):
         if backend != "auto":
             raise ConfigError("backend= applies to a params target; bind it inside your function instead")
         fn = target
     else:
-        from packedenc.models import family_of
+        from packedenc.models import family_of, max_seqlen_limit
 
         family = family_of(target)  # a ConfigError naming the type when it is not a params tree
+        max_len = max_seqlen_limit(target)
         params = target
         fn = lambda ids, cu, L, pos: family.encode(params, ids, cu, L, pos, backend=backend)  # noqa: E731
         vocab_size = getattr(getattr(target, "config", None), "vocab_size", None)
@@ -330,4 +342,5 @@ def graphed(target: Any, *, max_tokens: int, max_seqs: int, backend: str = "auto
         get_ops(backend, device)  # an unknown backend, or one that cannot run on this device, fails now
     return GraphedEncode(fn, device=device, max_tokens=max_tokens, max_seqs=max_seqs,
                          token_buckets=token_buckets, seq_buckets=seq_buckets, max_graphs=max_graphs,
-                         warmup=warmup, pad_id=pad_id, capture=capture, vocab_size=vocab_size, lazy=bool(lazy))
+                         warmup=warmup, pad_id=pad_id, capture=capture, vocab_size=vocab_size, lazy=bool(lazy),
+                         max_len=max_len)

@@ -42,7 +42,7 @@ from torch import Tensor
 from packedenc.cudagraphs.buckets import (
     Bucket, checked_buckets, default_seq_buckets, default_token_buckets, fill_padded, plan_bucket,
 )
-from packedenc.cudagraphs.encode import _allocating_from, _new_pool, _pool_id
+from packedenc.cudagraphs.encode import _new_pool, _pool_id
 from packedenc.errors import ConfigError, InputError
 from packedenc.packing import Packed
 from packedenc.train.optim import Step, TrainState
@@ -78,6 +78,7 @@ class GraphedStep:
         self.step, self.state, self.pad, self.device, self.capture = step, state, dict(pad), device, capture
         self.max_tokens, self.max_seqs, self.warmup, self.max_graphs = max_tokens, max_seqs, warmup, max_graphs
         self.pad_id = pad_id
+        self.max_len = _position_limit(state.params)  # dummy sequences stay within the position table
         self.seq_buckets = checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
         if self.seq_buckets[-1] < max_seqs:
             self.seq_buckets += (max_seqs,)
@@ -116,8 +117,12 @@ class GraphedStep:
             if isinstance(v, Packed):
                 if v.num_tokens > self.max_tokens or v.num_seqs > self.max_seqs:
                     return None
-                key.append((name, plan_bucket(v.num_tokens, v.num_seqs, v.max_seqlen, token_buckets=self.token_buckets,
-                                              seq_buckets=self.seq_buckets, positions=True)))
+                try:
+                    key.append((name, plan_bucket(v.num_tokens, v.num_seqs, v.max_seqlen,
+                                                  token_buckets=self.token_buckets, seq_buckets=self.seq_buckets,
+                                                  positions=True, max_len=self.max_len)))
+                except InputError:  # its dummy sequences would not fit the position table: eager
+                    return None
             else:
                 axis = self.pad[name].axis
                 if "." not in axis:
@@ -281,6 +286,15 @@ class GraphedStep:
                                "and report it") from e
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return graph
+
+
+def _position_limit(params: Any) -> int | None:
+    from packedenc.models import max_seqlen_limit
+
+    try:
+        return max_seqlen_limit(params)
+    except ConfigError:  # not a packedenc params tree (a user's own module tree): no known limit
+        return None
 
 
 def graphed_step(step: Step, state: TrainState, *, max_tokens: int, max_seqs: int,

@@ -84,6 +84,13 @@ def encode(params: Any, *args: Any, **kwargs: Any) -> Any:
     return family_of(params).encode(params, *args, **kwargs)
 
 
+def max_seqlen_limit(params: Any) -> int | None:
+    """The longest sequence a params tree's position table takes (None: no table, no limit).
+    Families with absolute positions define `max_seqlen_limit(params)`; the others have none."""
+    fn = getattr(family_of(params), "max_seqlen_limit", None)
+    return None if fn is None else fn(params)
+
+
 def init(config: Any, generator: Any = None, **kwargs: Any) -> Any:
     """Random params for a config object of any family (for tests, benchmarks, training from scratch)."""
     return family_for_model_type(config.to_hf()["model_type"]).init(config, generator, **kwargs)

@@ -167,7 +167,7 @@ def _encoder(model: SentenceModel, backend: str, max_tokens: int, graphs: bool):
                                            backend=backend, lazy=True)
 
     def replayed(batch: Packed) -> Tensor:
-        if not g.fits(batch.num_tokens, batch.num_seqs):
+        if not g.fits(batch.num_tokens, batch.num_seqs, batch.max_seqlen):
             return eager(batch)
         return g(batch.ids, batch.cu_seqlens, batch.max_seqlen, batch.positions)
 

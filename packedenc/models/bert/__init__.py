@@ -5,8 +5,8 @@ layers, heads: pooler, mlm_logits, classify).
 """
 
 from packedenc.models.bert.config import MODEL_TYPES, PRESETS, ROBERTA_TYPES, BertConfig, config_from_hf
-from packedenc.models.bert.model import classify, embed_tokens, encode, layer, mlm_logits, pooler
+from packedenc.models.bert.model import classify, embed_tokens, encode, layer, max_seqlen_limit, mlm_logits, pooler
 from packedenc.models.bert.params import BertParams, init, params_spec
 
 __all__ = ["MODEL_TYPES", "ROBERTA_TYPES", "PRESETS", "BertConfig", "BertParams", "params_spec", "init",
-           "encode", "layer", "embed_tokens", "pooler", "mlm_logits", "classify", "config_from_hf"]
+           "encode", "max_seqlen_limit", "layer", "embed_tokens", "pooler", "mlm_logits", "classify", "config_from_hf"]

@@ -65,6 +65,11 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, cfg: Bert
     return x_TD
 
 
+def max_seqlen_limit(params: BertParams) -> int:
+    """Longest sequence the absolute position table holds (`encode` refuses longer ones)."""
+    return params.config.max_positions
+
+
 def encode(
     params: BertParams,
     ids: Tensor,

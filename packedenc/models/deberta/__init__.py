@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from packedenc.models.deberta.config import MODEL_TYPES, PRESETS, DebertaConfig
-from packedenc.models.deberta.model import classify, encode, mlm_head, mlm_logits
+from packedenc.models.deberta.model import classify, encode, max_seqlen_limit, mlm_head, mlm_logits
 from packedenc.models.deberta.params import HEADS, DebertaParams, init, params_spec
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "params_spec",
     "init",
     "encode",
+    "max_seqlen_limit",
     "classify",
     "mlm_head",
     "mlm_logits",

@@ -182,6 +182,12 @@ def _check_token_types(tt: Tensor | None, ids: Tensor, cfg: DebertaConfig, value
     return tt
 
 
+def max_seqlen_limit(params: DebertaParams) -> int | None:
+    """Longest sequence the absolute position table holds, when the model has one (`encode`
+    refuses longer ones); relative positions alone set no limit."""
+    return params.config.max_position_embeddings if params.embeddings.position_embeddings is not None else None
+
+
 def encode(
     params: DebertaParams,
     ids: Tensor,
