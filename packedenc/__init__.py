@@ -12,7 +12,10 @@ from typing import Any
 
 from packedenc.convert.hf import load, save
 from packedenc.text.embed import TokenEmbeddings, embed
-from packedenc.errors import CheckpointError, ConfigError, InputError, PackedEncError
+from packedenc.cudagraphs import graphed, graphed_step
+from packedenc.errors import (
+    CheckpointError, CheckpointWarning, ConfigError, InputError, InputTypeError, PackedEncError,
+)
 from packedenc.kernels import Ops, get_ops
 from packedenc.models import encode, family_of, init
 from packedenc.packing import (
@@ -57,6 +60,10 @@ __all__ = [
     "InputError",
     "ConfigError",
     "CheckpointError",
+    "CheckpointWarning",
+    "InputTypeError",
+    "graphed",
+    "graphed_step",
     "embed",
     "TokenEmbeddings",
     "tokenizer",
