@@ -10,7 +10,6 @@ import argparse
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 from packedenc.commands import inputs
@@ -79,7 +78,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from packedenc.convert.__main__ import run
+    from packedenc.commands.convert import run
 
     return run(args)
 
@@ -181,7 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from packedenc.commands import shards as cli_shards
-    from packedenc.convert.__main__ import add_arguments as convert_arguments
+    from packedenc.commands.convert import add_arguments as convert_arguments
 
     p = argparse.ArgumentParser(
         prog="packedenc",

@@ -23,7 +23,6 @@ Shapes: N texts, D output width.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import json
 import os
@@ -46,7 +45,6 @@ __all__ = ["embed_to_dir", "merge", "ShardRun", "fingerprint"]
 
 FORMAT = 1
 SHARED_WAIT_S = 10.0  # how long a rank waits to see rank 0's files (network file systems lag)
-_GROUPS: dict[int, Any] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +139,7 @@ def embed_to_dir(model: Any, texts: Sequence[str], out_dir: str | os.PathLike, *
     if cut_shards:
         warnings.warn(f"rank {r}: {len(cut_shards)} of {len(mine)} shard(s) had truncated texts; first: "
                       f"{cut_shards[0]}", TruncationWarning, stacklevel=2)
-    _barrier()
+    pdist.host_barrier()
     return ShardRun(out, len(chunks), len(done), len(todo), tuple(mine))
 
 
@@ -221,7 +219,7 @@ def _agree_on_plan(out: Path, fp: dict[str, Any], chunks: list[tuple[int, int]])
             plan = {"fingerprint": fp, "nonce": nonce, "done": sorted(_done_shards(out, fp))}
         except (InputError, ConfigError, OSError) as e:
             plan = {"error": _err(e)}
-    plan = _broadcast(plan)
+    plan = pdist.broadcast_object(plan)
     err = plan.get("error")
     if err is None and pdist.rank() != 0:
         try:
@@ -232,7 +230,7 @@ def _agree_on_plan(out: Path, fp: dict[str, Any], chunks: list[tuple[int, int]])
             _check_shared(out, plan["nonce"])
         except (InputError, ConfigError) as e:
             err = _err(e)
-    errors = [e for e in _all_gather(err) if e is not None]
+    errors = [e for e in pdist.all_gather_objects(err) if e is not None]
     if errors:
         kind, msg = errors[0]
         raise (InputError if kind == "InputError" else ConfigError)(msg)
@@ -340,44 +338,6 @@ def _atomic(path: Path, write: Callable[[Any], Any]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _group() -> Any:
-    """A gloo group with a long timeout: ranks wait for each other at the end of a long job (an
-    NCCL barrier would time out after 10 minutes), and only small host objects travel."""
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    if id(world) not in _GROUPS:  # the cache keeps `world` alive, so its id is never reused
-        _GROUPS[id(world)] = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7)))
-    return _GROUPS[id(world)][1]
-
-
-def _broadcast(obj: Any) -> Any:
-    if pdist.world_size() == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_group())
-    return box[0]
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if pdist.world_size() == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * pdist.world_size()
-    dist.all_gather_object(out, obj, group=_group())
-    return out
-
-
-def _barrier() -> None:
-    if pdist.world_size() > 1:
-        import torch.distributed as dist
-
-        dist.barrier(group=_group())
 
 
 # ---- small helpers ------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ token-budget batches. Embedding shards with a resumable manifest live in `packed
 
 from __future__ import annotations
 
+import datetime
+
 import gc
 import os
 from typing import Any, Callable
@@ -132,3 +134,49 @@ def unwrap(model: nn.Module) -> Any:
     DTensor leaves: call `.full_tensor()` on each to gather)."""
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     return inner.params
+
+
+# ---- host objects between ranks (small, on a long-timeout gloo group) ---------------------------
+
+_GROUPS: dict[int, Any] = {}
+
+
+def host_group() -> Any:
+    """A gloo group with a long timeout: ranks wait for each other at the end of a long job (an
+    NCCL barrier would time out after 10 minutes), and only small host objects travel."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if id(world) not in _GROUPS:  # the cache keeps `world` alive, so its id is never reused
+        _GROUPS[id(world)] = (world, dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7)))
+    return _GROUPS[id(world)][1]
+
+
+def broadcast_object(obj: Any) -> Any:
+    """`obj` from rank 0 on every rank (host objects, over `host_group`)."""
+    if world_size() == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=host_group())
+    return box[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (host objects, over `host_group`)."""
+    if world_size() == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj, group=host_group())
+    return out
+
+
+def host_barrier() -> None:
+    """Wait for every rank, on `host_group` (no timeout for a long job's end)."""
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=host_group())

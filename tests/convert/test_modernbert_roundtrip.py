@@ -185,12 +185,12 @@ def test_save_failure_leaves_nothing_half_written(tmp_path, monkeypatch):
 def test_convert_cli(tmp_path):
     save_tiny(tmp_path / "src", transformers.ModernBertModel, tiny_config())
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-m", "packedenc.convert", str(tmp_path / "src"), str(tmp_path / "dst"),
+    r = subprocess.run([sys.executable, "-m", "packedenc.cli", "convert", str(tmp_path / "src"), str(tmp_path / "dst"),
                         "--dtype", "bf16"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert "ModernBertParams" in r.stdout
     assert load_file(tmp_path / "dst" / "model.safetensors")["final_norm.weight"].dtype == torch.bfloat16
-    r = subprocess.run([sys.executable, "-m", "packedenc.convert", str(tmp_path / "missing"), str(tmp_path / "x")],
+    r = subprocess.run([sys.executable, "-m", "packedenc.cli", "convert", str(tmp_path / "missing"), str(tmp_path / "x")],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 3 and "does not exist" in r.stderr  # a model problem: exit code 3, one line
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -1,6 +1,5 @@
-"""python -m packedenc.convert SRC DST (the same as `packedenc convert SRC DST`): load a checkpoint
-(folder or hub id) and write it back out as an HF checkpoint (config.json + model.safetensors and the
-tokenizer files), optionally cast to another dtype.
+"""`packedenc convert SRC DST`: load a checkpoint (folder or hub id) and write it back out as an HF
+checkpoint (config.json + model.safetensors and the tokenizer files), optionally cast to another dtype.
 
 Only those files are written into DST; everything else there is kept, so converting a
 sentence-transformers folder in place (SRC = DST, with --overwrite) keeps it a working
@@ -11,7 +10,6 @@ Pooling / Dense / Normalize modules are untouched.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -51,13 +49,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {type(params).__name__} ({num_params(params):,} parameters) to {out}"
           + ("" if tok is not None else f" (no tokenizer files in {args.src} to copy)"))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from packedenc.cli import main as cli_main  # one error policy and one set of exit codes for both
-
-    return cli_main(["convert", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
