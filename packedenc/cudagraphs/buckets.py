@@ -20,7 +20,7 @@ from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 
-__all__ = ["Bucket", "plan_bucket", "pad_batch", "fill_padded", "default_token_buckets", "default_seq_buckets",
+__all__ = ["Bucket", "budget_buckets", "plan_bucket", "pad_batch", "fill_padded", "default_token_buckets", "default_seq_buckets",
            "checked_buckets"]
 
 
@@ -145,6 +145,21 @@ def pad_batch(ids: Tensor, cu_seqlens: Tensor, bucket: Bucket, positions: Tensor
     pos_buf = torch.empty(bucket.tokens, dtype=torch.int64, device=dev) if bucket.positions else None
     fill_padded(bucket, ids, cu_seqlens, positions, ids_buf, cu_buf, pos_buf, pad_id)
     return ids_buf, cu_buf, pos_buf
+
+
+def budget_buckets(max_tokens: int, max_seqs: int, token_buckets: Sequence[int] | None = None,
+                   seq_buckets: Sequence[int] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(token buckets, sequence buckets) that cover a budget: the given lists (checked) or the
+    defaults, each extended to the budget. Tokens go up to max_tokens + the largest sequence
+    bucket: the tail needs up to S_b + 1 - S dummy tokens on top of the real ones."""
+    seqs = checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
+    if seqs[-1] < max_seqs:
+        seqs += (max_seqs,)
+    cap = max_tokens + seqs[-1]
+    tokens = checked_buckets("token_buckets", token_buckets or default_token_buckets(cap))
+    if tokens[-1] < cap:
+        tokens += (cap,)
+    return tokens, seqs
 
 
 def checked_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ from packedenc.checks import (
     as_device, check_cu_seqlens, check_ids, check_max_seqlen, check_positions, host_values,
 )
 from packedenc.cudagraphs.buckets import (
-    Bucket, checked_buckets, default_seq_buckets, default_token_buckets, fill_padded, pad_batch, plan_bucket,
+    Bucket, budget_buckets, default_seq_buckets, default_token_buckets, fill_padded, pad_batch, plan_bucket,
 )
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import get_ops
@@ -82,14 +82,7 @@ class GraphedEncode:
         self.max_tokens, self.max_seqs, self.max_graphs = max_tokens, max_seqs, max_graphs
         self.warmup, self.pad_id, self.vocab_size, self.lazy = warmup, pad_id, vocab_size, lazy
         self.max_len = max_len  # the model's longest sequence: dummy sequences stay within it
-        self.seq_buckets = checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
-        if self.seq_buckets[-1] < max_seqs:
-            self.seq_buckets += (max_seqs,)
-        # the tail needs up to S_b + 1 - S extra tokens on top of max_tokens
-        cap = max_tokens + self.seq_buckets[-1]
-        self.token_buckets = checked_buckets("token_buckets", token_buckets or default_token_buckets(cap))
-        if self.token_buckets[-1] < cap:
-            self.token_buckets += (cap,)
+        self.token_buckets, self.seq_buckets = budget_buckets(max_tokens, max_seqs, token_buckets, seq_buckets)
         self._entries: collections.OrderedDict[Bucket, _Entry] = collections.OrderedDict()
         self._pool: Any = None  # the memory every graph (and its warm-up) allocates from
         self._out: Tensor | None = None  # (max tokens, ...) one output buffer all graphs write

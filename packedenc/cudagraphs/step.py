@@ -39,9 +39,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from packedenc.cudagraphs.buckets import (
-    Bucket, checked_buckets, default_seq_buckets, default_token_buckets, fill_padded, plan_bucket,
-)
+from packedenc.cudagraphs.buckets import Bucket, budget_buckets, fill_padded, plan_bucket
 from packedenc.cudagraphs.encode import _new_pool, _pool_id
 from packedenc.errors import ConfigError, InputError
 from packedenc.packing import Packed
@@ -79,13 +77,7 @@ class GraphedStep:
         self.max_tokens, self.max_seqs, self.warmup, self.max_graphs = max_tokens, max_seqs, warmup, max_graphs
         self.pad_id = pad_id
         self.max_len = _position_limit(state.params)  # dummy sequences stay within the position table
-        self.seq_buckets = checked_buckets("seq_buckets", seq_buckets or default_seq_buckets(max_seqs))
-        if self.seq_buckets[-1] < max_seqs:
-            self.seq_buckets += (max_seqs,)
-        cap = max_tokens + self.seq_buckets[-1]
-        self.token_buckets = checked_buckets("token_buckets", token_buckets or default_token_buckets(cap))
-        if self.token_buckets[-1] < cap:
-            self.token_buckets += (cap,)
+        self.token_buckets, self.seq_buckets = budget_buckets(max_tokens, max_seqs, token_buckets, seq_buckets)
         leaves = [t for t in torch.utils._pytree.tree_leaves(state.params) if isinstance(t, Tensor)]
         # accumulators outside any graph pool: they live across replays of every graph
         self._acc = [torch.zeros_like(t, dtype=torch.float32) for t in leaves]
