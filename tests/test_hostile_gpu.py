@@ -9,7 +9,7 @@ import torch
 
 import packedenc as pe
 from packedenc.models.common import prepare_inputs
-from tests.test_hostile import BERT, MODERNBERT, _random_call, _reference, _valid
+from tests.test_hostile_fuzz import BERT, MODERNBERT, _random_call, _reference, _valid
 
 pytestmark = pytest.mark.gpu
 
