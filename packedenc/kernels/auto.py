@@ -60,8 +60,8 @@ class Row:
 # ---- shape classes (same arguments as the op; host values only) --------------------------------
 
 # The longest sequence from which FA4 is a candidate for global layers. Not measured here yet:
-# issue 21's runs saw FA4 ahead of the Triton kernel on the forward of doc-64k (longest 2048) and
-# long (8192), behind on query-64k (128). benchmarks/cute.py times those workloads; its records
+# runs outside these records saw FA4 ahead of the Triton kernel on the forward of doc-64k (longest
+# 2048) and long (8192), behind on query-64k (128). benchmarks/cute.py times those workloads; its records
 # settle this number before the row below gets evidence.
 LONG_SEQLEN = 2048
 

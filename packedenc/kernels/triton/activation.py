@@ -127,7 +127,7 @@ def _bias_act_bwd_kernel(
 
 def _bias_tile(F: int) -> tuple[int, int]:
     # (BLOCK_T, BLOCK_F): 2048 elements for 4 warps, 16 a thread (two 16-byte loads in bf16); a
-    # 256-wide row piece is 512 contiguous bytes. F = 2048 (the issue-6 FFN): 8 column blocks.
+    # 256-wide row piece is 512 contiguous bytes. F = 2048 (the graph transformer's FFN): 8 column blocks.
     block_f = min(256, next_pow2(F))
     return max(1, 2048 // block_f), block_f
 

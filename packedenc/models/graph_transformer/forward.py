@@ -48,8 +48,8 @@ __all__ = ["encode", "project_nodes", "layer", "readout"]
 # `add_layer_norm(..., x_bias=b)` (a block returns (delta, delta_bias)); the FFN's first GEMM runs
 # without its bias, which `ops.activation(..., bias=b)` adds. The kernels' backward passes then
 # return those biases' gradients as column sums of gradients they already read, where autograd
-# would run a separate (T, width) reduction per biased GEMM (issue 6: ~5 ms of a 70 ms train-bf16
-# pass). The sum is rounded once (x + b + residual in fp32) rather than after the GEMM and again
+# would run a separate (T, width) reduction per biased GEMM (~5 ms of a 70 ms bf16 training
+# pass, benchmarks/results/history/NOTES-diary.md). The sum is rounded once (x + b + residual in fp32) rather than after the GEMM and again
 # after the add: fp32 results move by fp32 rounding, bf16 ones get slightly closer to fp32.
 
 def _qkv_weights(p: EncoderLayer) -> tuple[Tensor, Tensor | None]:
