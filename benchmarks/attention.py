@@ -13,8 +13,8 @@ window (`-window`). Lengths are seeded log-normal draws, as benchmarks/common.py
    (error <= 2 x that of the plain bf16 attention + 1e-3 x the reference's scale).
 2. Time (CUDA events, warm-up, median of 15): `fwd_ms` under no_grad, `fwd_bwd_ms` = forward with
    inputs that require grad + autograd.grad of q, k, v, for the systems `packedenc` (the op table's
-   "triton" varlen_attention), `torch-flash` (torch's varlen attention through kernels/flash.py) and
-   `fa4` where flash_attn.cute imports.
+   "triton" varlen_attention) and `torch-flash` (torch's varlen attention through kernels/flash.py);
+   FlashAttention-4 (the "cute" backend) is timed by `python -m benchmarks cute`.
 3. `--sweep`: the forward, the dQ and the dK/dV kernels alone with candidate tiles (the other
    backward pass at its default), to place the rows of `attention.TILE_*`.
 Writes `--out DIR/attention_h200.json` (records: system, workload, fwd_ms, fwd_bwd_ms, gpu, commit,
@@ -97,8 +97,6 @@ def systems() -> dict[str, Callable]:
     torch_impl = flash.IMPLS.get("torch") or flash.IMPLS.get("aten")
     if torch_impl is not None:
         out["torch-flash"] = torch_impl
-    if "fa4" in flash.IMPLS:
-        out["fa4"] = flash.IMPLS["fa4"]
     return out
 
 
