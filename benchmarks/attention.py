@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import traceback
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from benchmarks import common
 
 H, K = 12, 64
 BF16 = torch.bfloat16
@@ -76,18 +77,7 @@ def _cu(lens: list[int]) -> torch.Tensor:
 
 
 def median_ms(fn: Callable[[], Any], reps: int = 15, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    return common.median_ms(fn, reps, warmup)  # the harness's CUDA-event median, 15 reps here
 
 
 def systems() -> dict[str, Callable]:
