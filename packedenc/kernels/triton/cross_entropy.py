@@ -32,7 +32,7 @@ from torch import Tensor
 
 from packedenc.kernels.triton._common import check_float, eager_autograd, eager_cuda, next_pow2
 
-__all__ = ["linear_cross_entropy", "ce_grad_", "CPU_CHUNK_ELEMS"]
+__all__ = ["linear_cross_entropy", "ce_grad_", "chunked_ce", "CPU_CHUNK_ELEMS"]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # constexpr: compiled kernels may not read plain globals
 LN2 = tl.constexpr(0.6931471805599453)
@@ -136,17 +136,23 @@ def _ce_grad_torch(logits_MV: Tensor, targets_M: Tensor) -> tuple[Tensor, Tensor
 # ---- the registered op: (losses, G) forward, GEMM-only backward ----------------------------------
 
 
-@torch.library.custom_op("packedenc::linear_cross_entropy", mutates_args=(), device_types="cpu")
-def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
+def chunked_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+               chunk_elems: int = CPU_CHUNK_ELEMS) -> tuple[Tensor, Tensor]:
+    """The CPU op's (losses, G), `chunk_elems` logits at a time: no (M, V) fp32 tensor at once."""
     M, V = x.shape[0], weight.shape[0]
     loss = torch.empty(M, dtype=torch.float32)
     grad = torch.empty((M, _padded(V)), dtype=x.dtype)[:, :V]  # the CUDA kernel's layout
-    rows = max(1, CPU_CHUNK_ELEMS // max(V, 1))
+    rows = max(1, chunk_elems // max(V, 1))
     w, b = _padded_head(weight, bias)
-    for r0 in range(0, M, rows):  # no (M, V) fp32 tensor at once
+    for r0 in range(0, M, rows):
         r1 = min(M, r0 + rows)
         loss[r0:r1], grad[r0:r1] = _ce_grad_torch(_logits(x[r0:r1], w, b, V), targets[r0:r1])
     return loss, grad
+
+
+@torch.library.custom_op("packedenc::linear_cross_entropy", mutates_args=(), device_types="cpu")
+def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
+    return chunked_ce(x, weight, bias, targets)
 
 
 @_linear_ce.register_kernel("cuda")
