@@ -239,8 +239,8 @@ def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
         fields = dict(workload=f"modernbert-{name}", model="modernbert-base", batches=len(inputs),
                       tokens=sum(int(i[0].numel()) for i in inputs))
         outs = {}
-        for backend in ("triton", "cute"):
-            system = f"packedenc[{backend}]"
+        for backend in ("triton", "cute", "auto"):  # auto: what the op table picks from the records
+            system = "packedenc" if backend == "auto" else f"packedenc[{backend}]"
             if backend == "cute" and err is not None:
                 records.append(run.record(system, status="absent", error=err, **fields))
                 continue
@@ -250,10 +250,10 @@ def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
                     ms = sum(A.median_ms(lambda i=i: pe.encode(params, *i, backend=backend), reps=5, warmup=2)
                              for i in inputs)
                 extra = {}
-                if backend == "cute":
-                    cos = F.cosine_similarity(outs["cute"].float(), outs["triton"].float(), dim=-1)
+                if backend != "triton":
+                    cos = F.cosine_similarity(outs[backend].float(), outs["triton"].float(), dim=-1)
                     extra = dict(min_cos_vs_triton=cos.min().item(),
-                                 ops=",".join(f"{o}={b}" for o, b in pe.get_ops("cute", "cuda").chosen))
+                                 ops=",".join(f"{o}={b}" for o, b in pe.get_ops(backend, "cuda").chosen))
                 rec = run.record(system, tokens_per_s=fields["tokens"] / ms * 1e3, ms=ms, **fields, **extra)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
