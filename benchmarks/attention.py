@@ -176,16 +176,15 @@ def sweep(lens: list[int], window: tuple[int, int]) -> list[dict[str, Any]]:
     for tile in FWD_SWEEP:
         ms = median_ms(lambda: A.attention_fwd(q, k, v, cu, L, window, scale, lse=False, tile=tile))
         rows.append({"pass": "fwd", "tile": list(tile), "ms": ms, "default": tile == A.tiles(T, L, window, K)})
-    for name in ("dq", "dkdv", "atomic"):  # atomic: no dQ pass, the dK/dV pass adds dq (its tile varied)
+    for name in ("dq", "dkdv"):
         for tile in BWD_SWEEP:
-            tiles = {"dq": (tile, kv_tile), "dkdv": (dq_tile, tile), "atomic": (None, tile)}[name]
+            tiles = (tile, kv_tile) if name == "dq" else (dq_tile, tile)
             try:
                 ms = median_ms(lambda: attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, tiles=tiles))
             except Exception as e:  # a tile that does not compile (registers, shared memory): recorded
                 print(f"  sweep {name} {tile}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            label = "bwd, atomic dq, dkdv tile varied" if name == "atomic" else f"bwd, {name} tile varied"
-            rows.append({"pass": label, "tile": list(tile), "ms": ms, "default": tiles == (dq_tile, kv_tile)})
+            rows.append({"pass": f"bwd, {name} tile varied", "tile": list(tile), "ms": ms, "default": tiles == (dq_tile, kv_tile)})
     return rows
 
 
@@ -270,12 +269,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if sweeps:
         print("\n## fastest tile per pass (sweep)")
         for wl in names:
-            for p in ("fwd", "bwd, dq tile varied", "bwd, dkdv tile varied", "bwd, atomic dq, dkdv tile varied"):
+            for p in ("fwd", "bwd, dq tile varied", "bwd, dkdv tile varied"):
                 rows = [r for r in sweeps if r["workload"] == wl and r["pass"] == p]
                 if rows:
                     best, dflt = min(rows, key=lambda r: r["ms"]), next((r for r in rows if r["default"]), None)
                     d = f"{dflt['ms']:.3f}" if dflt else "n/a"
-                    print(f"{wl:16s} {p:32s} best {str(best['tile']):18s} {best['ms']:.3f} ms (default {d})")
+                    print(f"{wl:16s} {p:24s} best {str(best['tile']):18s} {best['ms']:.3f} ms (default {d})")
     return records
 
 

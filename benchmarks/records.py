@@ -166,7 +166,9 @@ def write_records(records: list[dict[str, Any]], path: Path) -> list[dict[str, A
         except (ValueError, json.JSONDecodeError) as e:
             print(f"note: {e}; overwriting it")
     merged = old + list(records)
-    path.write_text(json.dumps(merged, indent=1) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a crash leaves the old file or the new one
+    tmp.write_text(json.dumps(merged, indent=1) + "\n")
+    os.replace(tmp, path)
     if old:
         print(f"note: kept {len(old)} earlier record(s) in {path} for rows not rerun now")
     return merged

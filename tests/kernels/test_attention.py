@@ -101,29 +101,6 @@ def test_sequences_longer_than_the_window_and_the_tiles(window):
     _check(LONG_CPU, 1, 16, torch.float32, window)
 
 
-ATOMIC_BWD = (None, TINY)  # no dQ pass: the dK/dV pass adds dq by atomics
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [(-1, -1), (2, 2), (3, 0), (-1, 1)])
-def test_the_atomic_dq_plan_equals_the_reference(dtype, window):
-    _check(MIXED, 2, 16, dtype, window, atol=1e-3, bwd=ATOMIC_BWD)
-    _check(LONG_CPU, 1, 24, dtype, window, atol=1e-3, bwd=ATOMIC_BWD)  # unmasked middle tiles, head-dim tail
-
-
-def test_the_atomic_dq_plan_keeps_sequences_apart_and_writes_fused_qkv_slots():
-    (q, k, v, do, cu, L), got = _check(LONG_CPU, 2, 16, torch.float32, (-1, -1), bwd=ATOMIC_BWD)
-    other = other_rows(LONG_CPU, 1)
-    k2 = k.clone()
-    k2[other] *= 100
-    again = _kernels(q, k2, v, do, cu, L, (-1, -1), bwd=ATOMIC_BWD)
-    assert torch.equal(got[1][~other], again[1][~other]) and not torch.equal(got[1][other], again[1][other])
-    slots = torch.full((q.shape[0], 3, *q.shape[1:]), float("nan")).unbind(1)  # strided views, unwritten
-    _kernels(q, k, v, do, cu, L, (-1, -1), bwd=ATOMIC_BWD, grads=slots)
-    for a, b in zip(got[1:], slots):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
 def test_odd_head_dim_and_a_custom_scale():
     _check(MIXED, 3, 24, torch.float32, (2, 2), scale=0.3)  # 24: a masked head-dim tail of the 32 tile
 
@@ -311,15 +288,6 @@ _TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 
 def test_gpu_every_tile(tile, bwd, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3  # query-like, blocks straddle many sequences
     _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=tile, bwd=(bwd, bwd))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bwd", [(64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)])
-@pytest.mark.parametrize("window", [(-1, -1), (64, 64)])
-@pytest.mark.parametrize("K", [64, 128])
-def test_gpu_atomic_dq_plan(bwd, window, K):
-    lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300, 2047) * 2
-    _check(lengths, 12 if K == 64 else 4, K, torch.bfloat16, window, atol=1e-3, tile=None, bwd=(None, bwd))
 
 
 @pytest.mark.gpu

@@ -17,11 +17,8 @@ statistics), so P = exp2(scale * log2(e) * q.k - LSE2) is recomputed exactly, wi
   (the window mirrored: `_spans` with left and right swapped); dv = sum_i P_ij dO_i,
   dk = scale * sum_i dS_ij q_i.
 P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
-
-The atomic plan (a dQ tile of None in `attention.bwd_tiles`): `_delta_kernel` writes delta, and the
-dK/dV pass also adds dS^T-tile products into an fp32 dq buffer by relaxed atomics (FA2's way): 5
-GEMMs per tile pair instead of 7, but dq's summation order varies from run to run. The tile table
-takes it only where a committed measurement shows it faster.
+The atomic-dQ plan (FA2's: no dQ pass, dq added by atomics from the dK/dV pass, 5 GEMMs per tile
+pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json).
 """
 
 from __future__ import annotations
@@ -107,27 +104,11 @@ def _dq_kernel(
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, T, s_o_t, s_o_h, s_do_t, s_do_h,
-                  HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """DELTA (H, T) = rowsum(dO * O): the preprocess `_dq_kernel` fuses, alone for the atomic-dQ plan."""
-    h = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    in_t = rows < T
-    r64 = rows.to(tl.int64)[:, None]
-    mask2 = in_t[:, None] & (offs_k < HEAD_DIM)[None, :]
-    do = tl.load(DO + r64 * s_do_t + h * s_do_h + offs_k[None, :], mask=mask2, other=0.0)
-    o = tl.load(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], mask=mask2, other=0.0)
-    tl.store(DELTA + h * T + rows, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=in_t)
-
-
-@triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_dqa_t, s_dqa_h, i_lo, i_hi,
-                blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi, blk_hi,
+                ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries). ATOMIC_DQ: also
-    dq_i += dS_ij k_j into the fp32 (T, H, K) buffer DQA (unscaled), by relaxed atomic adds."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
@@ -157,17 +138,8 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, h, T, s_q_t, s_q_h, s_do_t
         p_t = tl.exp2(x_t)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q, input_precision=PREC)
-        if ATOMIC_DQ:  # rows outside every key's range got dS = 0; only rows past T must not be touched
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=PREC)
-            dqp = DQA + r64 * s_dqa_t + h * s_dqa_h + offs_k[None, :]
-            if MASKED:
-                tl.atomic_add(dqp, dq, mask=rmask, sem="relaxed")
-            elif EVEN_K:
-                tl.atomic_add(dqp, dq, sem="relaxed")
-            else:
-                tl.atomic_add(dqp, dq, mask=kmask[None, :], sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
 
@@ -176,12 +148,11 @@ def _dkdv_kernel(
     Q, K, V, DO,  # (T, H, K) views, head dim contiguous
     LSE, DELTA,  # (H, T) fp32: the forward's log2-sum-exp2; rowsum(dO * O) from _dq_kernel
     DK, DV,  # (T, H, K) out (may be slots of a (T, 3, H, K) gradient)
-    DQA,  # ATOMIC_DQ: (T, H, K) fp32, zeroed; receives the unscaled dq
     CU, T, S, n_steps, left, right,
     qk_scale, sm_scale,
-    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h, s_dqa_t, s_dqa_h,
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
 ):
     h = tl.program_id(1).to(tl.int64)
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
@@ -196,13 +167,12 @@ def _dkdv_kernel(
     v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    even = HEAD_DIM == BLOCK_K
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_dqa_t, s_dqa_h, blk_lo,
-                         mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, even, PREC, ATOMIC_DQ)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_dqa_t, s_dqa_h, mid_lo,
-                         mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False, even, PREC, ATOMIC_DQ)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_dqa_t, s_dqa_h, mid_hi,
-                         blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, even, PREC, ATOMIC_DQ)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, blk_lo, mid_lo,
+                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, mid_lo, mid_hi,
+                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False, HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, mid_hi, blk_hi,
+                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, HEAD_DIM == BLOCK_K, PREC)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
@@ -219,8 +189,7 @@ def attention_bwd(
     `grads`: three (T, H, K) views to write (e.g. the slots of one (T, 3, H, K) tensor, the
     gradient of a fused qkv buffer); by default the three slabs of one (3, T, H, K) tensor.
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
-    `bwd_tiles(...)`: (dQ tile, dK/dV tile); a dQ tile of None is the atomic plan (no dQ pass: the
-    dK/dV pass adds dS k into an fp32 buffer). Inputs are checked by the caller, as for the forward.
+    `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
     """
     T, H, Kd = q_THK.shape
     if grads is None:
@@ -235,27 +204,18 @@ def attention_bwd(
     if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
         do = do.contiguous()
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
-    dq_tile, (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
+    (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, scale)
-    if dq_tile is None:  # the atomic plan: delta alone, then dq accumulated by the dK/dV pass
-        dqa = torch.zeros((T, H, Kd), dtype=torch.float32, device=q_THK.device)
-        _delta_kernel[(cdiv(T, 64), H)](o_THK, do, delta, T, o_THK.stride(0), o_THK.stride(1), do.stride(0),
-                                        do.stride(1), HEAD_DIM=Kd, BLOCK_K=meta["BLOCK_K"], BLOCK_M=64, num_warps=4)
-    else:
-        dqa = delta  # not read: ATOMIC_DQ is off
-        qm, qn, qw, qs = dq_tile
-        _dq_kernel[(cdiv(T, qm), H)](
-            q_THK, k_THK, v_THK, o_THK, do, lse2_HT, delta, dq, *common,
-            q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
-            o_THK.stride(0), o_THK.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-            BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **meta,
-        )
+    _dq_kernel[(cdiv(T, qm), H)](
+        q_THK, k_THK, v_THK, o_THK, do, lse2_HT, delta, dq, *common,
+        q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
+        o_THK.stride(0), o_THK.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **meta,
+    )
     _dkdv_kernel[(cdiv(T, kn), H)](
-        q_THK, k_THK, v_THK, do, lse2_HT, delta, dk, dv, dqa, *common,
+        q_THK, k_THK, v_THK, do, lse2_HT, delta, dk, dv, *common,
         q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        H * Kd, Kd, BLOCK_N=kn, BLOCK_M=km, num_warps=kw, num_stages=ks, ATOMIC_DQ=dq_tile is None, **meta,
+        BLOCK_N=kn, BLOCK_M=km, num_warps=kw, num_stages=ks, **meta,
     )
-    if dq_tile is None:
-        dq.copy_(dqa.mul_(scale))
     return dq, dk, dv
