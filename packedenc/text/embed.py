@@ -32,7 +32,9 @@ from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, p
 
 __all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
 
-_CHUNK_TEXTS = 4096  # texts tokenized per background step: big enough for tokenizers' threads
+# Texts tokenized per background step: big enough for the tokenizers library's threads, small
+# enough that the first batch reaches the device soon.
+_CHUNK_TEXTS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,12 +241,13 @@ def _override(model: SentenceModel, pooling: str | None, normalize: bool | None)
 
 
 def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: str | None, query: bool,
-             max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None]
-             ) -> Iterator[tuple[list[int], Packed, int]]:
-    """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk on a
-    background thread while the caller runs the device on the current one."""
+             max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None],
+             *, chunk_texts: int = _CHUNK_TEXTS) -> Iterator[tuple[list[int], Packed, int]]:
+    """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk of
+    `chunk_texts` texts on a background thread while the caller runs the device on the current one."""
+    assert chunk_texts > 0, chunk_texts
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # longest first
-    chunks = [order[i:i + _CHUNK_TEXTS] for i in range(0, len(order), _CHUNK_TEXTS)]
+    chunks = [order[i:i + chunk_texts] for i in range(0, len(order), chunk_texts)]
     q: queue.Queue = queue.Queue(maxsize=8)
     stop = threading.Event()
 
