@@ -81,9 +81,9 @@ class ThreadSpy(Tokenizer):
 
     seen: list = dataclasses.field(default_factory=list)
 
-    def encode(self, texts, max_length=None):
+    def encode_ids(self, texts, max_length=None):
         self.seen.append(threading.current_thread().name)
-        return super().encode(texts, max_length)
+        return super().encode_ids(texts, max_length)
 
 
 def test_tokenization_runs_on_a_background_thread(tiny):

@@ -18,17 +18,19 @@ import threading
 import weakref
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError, InputTypeError
 from packedenc.checks import as_device, float_dtype
 from packedenc.kernels import get_ops
-from packedenc.packing import Packed, token_budget_batches
+from packedenc.packing import Packed
 from packedenc.text.sentence_transformers import (
     POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
 )
-from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, packed_from_ids, warn_truncated
+from packedenc.text.token_ids import TokenIds
+from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, warn_truncated
 
 __all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
 
@@ -246,23 +248,25 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
     """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk of
     `chunk_texts` texts on a background thread while the caller runs the device on the current one."""
     assert chunk_texts > 0, chunk_texts
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # longest first
-    chunks = [order[i:i + chunk_texts] for i in range(0, len(order), chunk_texts)]
+    chars_N = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+    order_N = np.argsort(-chars_N, kind="stable")  # longest first, ties in the caller's order
+    chunks = [order_N[i:i + chunk_texts] for i in range(0, len(order_N), chunk_texts)]
     q: queue.Queue = queue.Queue(maxsize=8)
     stop = threading.Event()
 
     def produce() -> None:
         try:
-            for chunk in chunks:
-                ids, cut, limit, plen = tokenize_for(model, [texts[i] for i in chunk], prompt=prompt, query=query,
-                                                     max_length=max_length, truncate=truncate)
-                cut_total.extend(chunk[j] for j in cut)
+            for chunk_N in chunks:
+                ids, cut, limit, plen = tokenize_for(model, [texts[i] for i in chunk_N.tolist()], prompt=prompt,
+                                                     query=query, max_length=max_length, truncate=truncate)
+                cut_total.extend(chunk_N[cut].tolist())
                 limit_used[0] = limit
                 _check_vocab(ids, model)
-                by_len = sorted(range(len(chunk)), key=lambda j: -len(ids[j]))
-                for b in token_budget_batches([len(ids[j]) for j in by_len], max_tokens):
-                    sel = [by_len[k] for k in b]
-                    item = ([chunk[j] for j in sel], packed_from_ids([ids[j] for j in sel]), plen)
+                by_len_N, ids = ids.longest_first()
+                caller_N, positions_T = chunk_N[by_len_N], ids.positions_T()
+                # the budget cuts the length-sorted chunk into runs: each batch is a slice of `ids`
+                for a, z in ids.budget_runs(max_tokens):
+                    item = (caller_N[a:z].tolist(), ids.packed(a, z, positions_T), plen)
                     while not stop.is_set():
                         try:
                             q.put(item, timeout=0.1)
@@ -290,11 +294,11 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
         worker.join(timeout=5)
 
 
-def _check_vocab(ids: list[list[int]], model: SentenceModel) -> None:
-    """Host-side guard (the ids are still Python ints): a tokenizer that does not belong to the
+def _check_vocab(ids: TokenIds, model: SentenceModel) -> None:
+    """Host-side guard (the ids are still on the host): a tokenizer that does not belong to the
     weights would otherwise index past the embedding table on the device."""
     vocab = getattr(model.params.config, "vocab_size", None)
-    top = max((max(x) for x in ids if x), default=-1)
+    top = ids.max_id()
     if vocab is not None and top >= vocab:
         raise InputError(
             f"the tokenizer produced id {top} but the model's vocabulary has {vocab} entries: the tokenizer "
@@ -304,9 +308,9 @@ def _check_vocab(ids: list[list[int]], model: SentenceModel) -> None:
 
 def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None = None, query: bool = False,
                  max_length: int | None = None, truncate: bool = True
-                 ) -> tuple[list[list[int]], list[int], int | None, int]:
+                 ) -> tuple[TokenIds, list[int], int | None, int]:
     """Token ids the way the model's folder says: prompts, and ColBERT's [Q]/[D] prefix and query
-    [MASK] expansion. Return: (ids per text, truncated indices, limit, prompt length in tokens)."""
+    [MASK] expansion. Return: (the texts' ids, truncated indices, limit, prompt length in tokens)."""
     tok = model.tokenizer
     c = model.colbert
     if c is None:
@@ -326,7 +330,7 @@ def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None =
         prefix_id = tok.token_id(prefix.strip())
     if prefix_id is not None:  # PyLate inserts the prefix token right after [CLS]
         ids, cut, _ = encode_texts(tok, texts, limit - 1, truncate)
-        ids = [x[:1] + [prefix_id] + x[1:] for x in ids]
+        ids = ids.with_token_after_first(prefix_id)
     else:  # not a token of this vocabulary: prepended as text, as sentence-transformers does
         ids, cut, _ = encode_texts(tok, [prefix + t for t in texts], limit, truncate)
     if query and c.query_expansion:
@@ -339,7 +343,7 @@ def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None =
         mask = tok.token_id("[MASK]") if tok.token_id("[MASK]") is not None else tok.token_id("<mask>")
         if mask is None:
             raise ConfigError("query expansion needs a [MASK] token, and this tokenizer has none")
-        ids = [x + [mask] * (limit - len(x)) for x in ids]
+        ids = ids.padded_to(limit, mask)
     return ids, cut, limit, 0
 
 
