@@ -105,6 +105,23 @@ def test_one_truncation_warning_for_the_whole_job(tiny):
     assert out.shape == (5, 32)
 
 
+def test_stats_break_one_call_down(tiny):
+    texts = [t for t in sentences() if len(t) < 150][:25]
+    tokens = sum(len(x) for x in tiny.tokenizer.encode(texts)[0])
+    n_batches = len(batches(tiny, texts, 64, chunk_texts=4096)[0])
+    stats = embed_mod.EmbedStats()
+    for _ in range(2):  # a second call starts from zero, it does not add to the first
+        run(tiny, texts, max_tokens=64, stats=stats)
+        assert (stats.batches, stats.texts, stats.tokens) == (n_batches, 25, tokens) and n_batches > 3
+        assert 0 < stats.tokenize_s < stats.wall_s and 0 < stats.pack_s < stats.wall_s
+        assert 0 <= stats.wait_s < stats.wall_s
+        assert stats.device_ms is None  # a CPU model: no device time
+    assert set(stats.as_record()) == {"wall_s", "batches", "texts", "tokens", "tokenize_s", "pack_s", "wait_s",
+                                      "device_ms"}
+    with pytest.raises(TypeError, match="stats must be a packedenc.text.embed.EmbedStats"):
+        run(tiny, texts, stats={})
+
+
 def test_truncate_false_raises_from_the_worker(tiny):
     with pytest.raises(pe.InputError, match="1 of 2 text.*longer than 64 tokens"):
         run(tiny, ["fine", "word " * 100], truncate=False)
@@ -204,3 +221,7 @@ def test_gpu_graphed_embed_equals_eager_and_is_kept_with_the_model(tiny):
     assert embed_mod._GRAPHED[model][next(iter(embed_mod._GRAPHED[model]))] is g and g.num_graphs >= 1
     for out in (first, again):
         torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-4)
+    stats = embed_mod.EmbedStats()
+    torch.testing.assert_close(pe.embed(model, texts, progress=False, max_tokens=256, stats=stats), eager,
+                               atol=1e-5, rtol=1e-4)
+    assert stats.batches > 1 and 0 < stats.device_ms < stats.wall_s * 1e3  # CUDA events around every batch

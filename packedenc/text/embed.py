@@ -15,6 +15,7 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -29,10 +30,11 @@ from packedenc.packing import Packed
 from packedenc.text.sentence_transformers import (
     POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
 )
+from packedenc.text.embed_stats import EmbedStats
 from packedenc.text.token_ids import TokenIds
 from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, warn_truncated
 
-__all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
+__all__ = ["embed", "EmbedStats", "TokenEmbeddings", "tokenize_for"]
 
 # Texts tokenized per background step: big enough for the tokenizers library's threads, small
 # enough that the first batch reaches the device soon.
@@ -64,7 +66,7 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
           normalize: bool | None = None, progress: bool = True, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None, prompt: str | None = None, query: bool = False,
           max_length: int | None = None, truncate: bool = True, backend: str = "auto",
-          graphs: bool | None = None) -> Tensor | TokenEmbeddings:
+          graphs: bool | None = None, stats: EmbedStats | None = None) -> Tensor | TokenEmbeddings:
     """Embed texts with a sentence-transformers / PyLate / HF model.
 
     Arguments:
@@ -87,6 +89,9 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         graphs: replay the backbone as CUDA graphs (`packedenc.cudagraphs.graphed`, lazy: a batch
             shape seen once runs eagerly, a repeated one replays). Default: on for a CUDA model,
             off elsewhere; the graphed encoder is kept with the model and reused by later calls.
+        stats: an `EmbedStats` to fill with this call's breakdown: wall time, batches, the
+            background tokenizer's time, the time the device loop waited for it, and (CUDA) the
+            summed device time of the batches. None (default) records nothing.
     Every batch is checked as it is packed, on the host (token ids against the model's vocabulary,
     lengths against its limit), so the device never sees an id it cannot embed and no check reads
     GPU data.
@@ -94,7 +99,12 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         (N, D) float32 CPU tensor, row i for texts[i]; for multi-vector (ColBERT) models a
         `TokenEmbeddings` holding one vector per kept token.
     """
+    t_call = time.perf_counter()
     texts = _check_args(texts, max_tokens, prompt)
+    if stats is not None and not isinstance(stats, EmbedStats):
+        raise InputTypeError(f"stats must be a packedenc.text.embed.EmbedStats or None, got {type(stats).__name__}")
+    if stats is not None:
+        stats.reset()
     model = _as_model(model, as_device(device), float_dtype(dtype))
     get_ops(backend, model.device)  # an unknown backend, or one that cannot run there, fails before any work
     modules = _override(model, pooling, normalize)
@@ -112,10 +122,13 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
     try:
         with torch.inference_mode():
             for idx, batch, prompt_length in _batches(model, texts, max_tokens, prompt, query, max_length,
-                                                      truncate, cut_total, limit_used):
+                                                      truncate, cut_total, limit_used, stats=stats):
                 batch = batch.to(model.device)
+                start = None if stats is None else stats.start_batch(model.device)
                 f = run_modules(modules, encode(batch), batch, prompt_length=prompt_length,
                                 task="query" if query else "document")
+                if stats is not None:
+                    stats.end_batch(start, len(idx), batch.num_tokens)
                 current = _read_back(idx, f, model.multi_vector)
                 if pending is not None:
                     out = _store(pending, out, per_text, n)
@@ -126,6 +139,8 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
                 bar.update(len(pending[0]))
     finally:
         bar.close()
+    if stats is not None:
+        stats.finish(time.perf_counter() - t_call)
     if cut_total:
         warn_truncated(len(cut_total), n, limit_used[0], min(cut_total))
     if out is not None:
@@ -244,9 +259,11 @@ def _override(model: SentenceModel, pooling: str | None, normalize: bool | None)
 
 def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: str | None, query: bool,
              max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None],
-             *, chunk_texts: int = _CHUNK_TEXTS) -> Iterator[tuple[list[int], Packed, int]]:
+             *, chunk_texts: int = _CHUNK_TEXTS, stats: EmbedStats | None = None
+             ) -> Iterator[tuple[list[int], Packed, int]]:
     """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk of
-    `chunk_texts` texts on a background thread while the caller runs the device on the current one."""
+    `chunk_texts` texts on a background thread while the caller runs the device on the current one.
+    `stats` gets the thread's tokenize and pack time and the caller's wait for it."""
     assert chunk_texts > 0, chunk_texts
     chars_N = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
     order_N = np.argsort(-chars_N, kind="stable")  # longest first, ties in the caller's order
@@ -257,8 +274,10 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
     def produce() -> None:
         try:
             for chunk_N in chunks:
+                t0 = time.perf_counter()
                 ids, cut, limit, plen = tokenize_for(model, [texts[i] for i in chunk_N.tolist()], prompt=prompt,
                                                      query=query, max_length=max_length, truncate=truncate)
+                t1 = _tally(stats, "tokenize_s", t0)
                 cut_total.extend(chunk_N[cut].tolist())
                 limit_used[0] = limit
                 _check_vocab(ids, model)
@@ -267,6 +286,7 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
                 # the budget cuts the length-sorted chunk into runs: each batch is a slice of `ids`
                 for a, z in ids.budget_runs(max_tokens):
                     item = (caller_N[a:z].tolist(), ids.packed(a, z, positions_T), plen)
+                    _tally(stats, "pack_s", t1)
                     while not stop.is_set():
                         try:
                             q.put(item, timeout=0.1)
@@ -275,6 +295,7 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
                             continue
                     if stop.is_set():
                         return
+                    t1 = time.perf_counter()  # the wait for room in the queue is not packing
             q.put(None)
         except BaseException as e:  # re-raised on the caller's thread
             q.put(e)
@@ -283,7 +304,9 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
     worker.start()
     try:
         while True:
+            t0 = time.perf_counter()
             item = q.get()
+            _tally(stats, "wait_s", t0)
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -292,6 +315,14 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
     finally:
         stop.set()
         worker.join(timeout=5)
+
+
+def _tally(stats: EmbedStats | None, field: str, since: float) -> float:
+    """Add the time since `since` to `stats.<field>` (when recording); return now."""
+    now = time.perf_counter()
+    if stats is not None:
+        setattr(stats, field, getattr(stats, field) + now - since)
+    return now
 
 
 def _check_vocab(ids: TokenIds, model: SentenceModel) -> None:
