@@ -19,8 +19,16 @@ Timing: an untimed warm-up call over every text, then `--reps` timed calls of th
 (tokenization included, embeddings back on the host: what a user waits for); the median call gives
 `texts_per_s`. packedenc's record carries `min_cos`: the lowest per-text cosine of its embeddings
 against sentence-transformers-b256's (b32's when b256 did not run).
+Host and device time, of the first timed call (one call is one whole job here, not one batch as in
+the encoder families): `host_ms` is its wall time; packedenc's also carries its `EmbedStats`:
+`device_ms` (CUDA: the summed CUDA-event time of each batch's backbone + modules, gaps where the
+GPU waited for the host included; None on the CPU and for sentence-transformers), `batches`,
+`tokenize_s` / `pack_s` (the background tokenizer thread's time in the tokenizer / in sorting and
+cutting batches, summed) and `wait_s` (time the device loop waited for that thread). A
+`device_ms` far below `host_ms` means the job is host-bound.
 
-Records: `results/embed_<gpu>.json`: system, workload, texts_per_s, wall_s, peak memory, min_cos.
+Records: `results/embed_<gpu>.json`: system, workload, texts_per_s, wall_s, host_ms, device_ms,
+the breakdown above, peak memory, min_cos.
 """
 
 from __future__ import annotations
@@ -74,8 +82,10 @@ class EmbedSystem:
     optional = False
 
     def __init__(self, name: str, load: Callable[[], Any], embed: Callable[[Any, list[str]], Tensor],
-                 absent: str | None = None) -> None:
+                 absent: str | None = None, embed_with_stats: Callable[[Any, list[str]], tuple] | None = None
+                 ) -> None:
         self.name, self._load, self._embed, self.absent = name, load, embed, absent
+        self._embed_with_stats = embed_with_stats
         self.model: Any = None
 
     def setup(self) -> None:
@@ -84,15 +94,27 @@ class EmbedSystem:
     def embed(self, texts: list[str]) -> Tensor:
         return self._embed(self.model, texts)
 
+    def embed_with_stats(self, texts: list[str]) -> tuple[Tensor, dict[str, Any]]:
+        """One call and the breakdown of its time the system can give (empty when it gives none)."""
+        if self._embed_with_stats is None:
+            return self.embed(texts), {}
+        return self._embed_with_stats(self.model, texts)
+
     def close(self) -> None:
         self.model = None
 
 
 def make_systems(folder: str, device: torch.device, dtype: torch.dtype | None) -> list[EmbedSystem]:
     import packedenc as pe
+    from packedenc.text.embed import EmbedStats
+
+    def with_stats(m: Any, texts: list[str]) -> tuple[Tensor, dict[str, Any]]:
+        stats = EmbedStats()
+        out = pe.embed(m, texts, progress=False, stats=stats)
+        return out, {k: stats.as_record()[k] for k in ("device_ms", "batches", "tokenize_s", "pack_s", "wait_s")}
 
     out = [EmbedSystem("packedenc", lambda: pe.load_sentence_transformer(folder, device=device, dtype=dtype),
-                       lambda m, texts: pe.embed(m, texts, progress=False))]
+                       lambda m, texts: pe.embed(m, texts, progress=False), embed_with_stats=with_stats)]
     try:
         from sentence_transformers import SentenceTransformer
     except Exception as e:  # noqa: BLE001 - absent or broken: recorded, not raised
@@ -125,17 +147,21 @@ def time_system(s: EmbedSystem, texts: dict[str, list[str]], reps: int, run: Run
                 t0 = time.perf_counter()
                 outs[w] = s.embed(tx)
                 warm = time.perf_counter() - t0
-                secs = []
-                for _ in range(reps):
+                secs, hd = [], {}
+                for rep in range(reps):
                     t0 = time.perf_counter()
-                    s.embed(tx)
+                    if rep == 0:  # the breakdown costs two CUDA events per batch: time it with the rest
+                        _, hd = s.embed_with_stats(tx)
+                    else:
+                        s.embed(tx)
                     secs.append(time.perf_counter() - t0)
+                hd = {"host_ms": secs[0] * 1e3, "device_ms": None, **hd}
             wall = statistics.median(secs)
             note = f"; {caught[0].message}" if caught else ""
             print(f"[{s.name}] {w}: {thousands(len(tx) / wall)} texts/s ({wall * 1e3:.0f} ms per call, "
-                  f"warm-up {warm:.1f}s{note})", flush=True)
+                  f"warm-up {warm:.1f}s{note}); {_breakdown(hd)}", flush=True)
             records.append(run.record(s.name, w, texts_per_s=len(tx) / wall, wall_s=wall, warmup_s=warm,
-                                      num_texts=len(tx), reps=reps, **common.peak_memory_gb(device), **fields))
+                                      num_texts=len(tx), reps=reps, **hd, **common.peak_memory_gb(device), **fields))
     except Exception as e:  # noqa: BLE001 - one broken system must not end the run
         err = f"{type(e).__name__}: {e}"[:300]
         print(f"[{s.name}] FAILED: {err}")
@@ -177,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
         if r["system"] == "packedenc" and a is not None and b is not None:
             r["min_cos"] = float(torch.nn.functional.cosine_similarity(a, b, dim=-1).min())
     return cli.finish(run, records, args, "embed, all-MiniLM-L6-v2; texts/s", fmt=_cell)
+
+
+def _breakdown(hd: dict[str, Any]) -> str:
+    """'host 812 ms / device 95 ms, 12 batches, tokenize 640 ms, pack 9 ms, waited 120 ms' (what was measured)."""
+    out = f"host {hd['host_ms']:.0f} ms" + ("" if hd["device_ms"] is None else f" / device {hd['device_ms']:.0f} ms")
+    if "batches" in hd:
+        out += (f", {hd['batches']} batches, tokenize {hd['tokenize_s'] * 1e3:.0f} ms, pack {hd['pack_s'] * 1e3:.0f} ms"
+                f", waited {hd['wait_s'] * 1e3:.0f} ms")
+    return out
 
 
 def _cell(r: dict[str, Any]) -> str:

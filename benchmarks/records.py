@@ -6,7 +6,8 @@ runs several models, `gpus` where it runs several GPU counts):
   optional package is not installed, "failed") and `error` (why, for anything but "ok");
 - the metrics, named by unit: `tokens_per_s` (real, unpadded tokens), `texts_per_s`,
   `ms_per_batch` / `step_ms` (wall time per batch), `host_ms` / `device_ms` (host enqueue time and
-  GPU time of one batch, `common.host_device_ms`), `peak_reserved_gb`, and family extras;
+  GPU time of one batch, `common.host_device_ms`; the embed family's are of one whole call, see
+  `benchmarks/embed.py`), `peak_reserved_gb`, and family extras;
 - where and how: `gpu`, `commit`, `command`, `date`, `torch`, `triton`, `transformers`, `cuda`.
 
 Files: `results/<family>_<gpu>.json` holds one JSON list. A run replaces the records with its

@@ -77,6 +77,9 @@ def test_embed_records(runs):
     (r,) = runs["embed"]
     assert (r["system"], r["workload"], r["status"], r["num_texts"]) == ("packedenc", "short", "ok", 16)
     assert r["texts_per_s"] > 0 and r["wall_s"] > 0 and r["model"] == "all-MiniLM-L6-v2"
+    # one call's breakdown: its wall time as host_ms, no device time on the CPU, the tokenizer thread's share
+    assert r["host_ms"] > 0 and "device_ms" in r and r["device_ms"] is None and r["batches"] >= 1
+    assert 0 < r["tokenize_s"] < r["host_ms"] / 1e3 and 0 <= r["pack_s"] and 0 <= r["wait_s"] < r["host_ms"] / 1e3
 
 
 # ---- report, from a fixture ----------------------------------------------------------------------

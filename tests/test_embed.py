@@ -1,6 +1,7 @@
 """packedenc.embed: order restoration under length sorting and token budgets, the background
 tokenizer, one truncation warning per job, and every bad input."""
 
+import dataclasses
 import importlib
 import threading
 
@@ -9,7 +10,7 @@ import torch
 
 import packedenc as pe
 from packedenc.models import bert
-from packedenc.text.tokenizer import TruncationWarning
+from packedenc.text.tokenizer import Tokenizer, TruncationWarning
 from tests.texts import sentences
 
 embed_mod = importlib.import_module("packedenc.text.embed")  # `packedenc.embed` the attribute is the function
@@ -34,11 +35,10 @@ def run(model, texts, **kw):
     return pe.embed(model, texts, **kw)
 
 
-def test_order_is_restored_under_sorting_and_small_budgets(tiny, monkeypatch):
+def test_order_is_restored_under_sorting_and_small_budgets(tiny):
     texts = [t for t in sentences() if len(t) < 150][:40]
     texts = texts[::-1][:20] + texts[20:]  # not sorted by length in either direction
     one_by_one = torch.cat([run(tiny, [t]) for t in texts])
-    monkeypatch.setattr(embed_mod, "_CHUNK_TEXTS", 7)  # several background chunks
     for budget in (16, 100, 65536):  # 16: about one text per batch; 65536: everything in one
         out = run(tiny, texts, max_tokens=budget)
         torch.testing.assert_close(out, one_by_one, atol=1e-5, rtol=1e-5)
@@ -46,28 +46,80 @@ def test_order_is_restored_under_sorting_and_small_budgets(tiny, monkeypatch):
     torch.testing.assert_close(dup[0], dup[2], atol=0, rtol=0)
 
 
-def test_tokenization_runs_on_a_background_thread(tiny, monkeypatch):
+def batches(model, texts, max_tokens, chunk_texts, max_length=None):
+    """Everything `embed` gets from its background tokenizer: (batches, truncated caller indices)."""
+    cut, limit = [], [None]
+    out = list(embed_mod._batches(model, texts, max_tokens, None, False, max_length, True, cut, limit,
+                                  chunk_texts=chunk_texts))
+    return out, cut
+
+
+@pytest.mark.parametrize("chunk_texts", [1, 7, 4096])  # one text per chunk, several ragged chunks, one chunk
+def test_chunks_give_every_text_its_own_tokens_once(tiny, chunk_texts):
+    texts = [t for t in sentences() if len(t) < 150][:30] + ["word " * 100, "word " * 70]  # the last two: cut
+    texts = texts[::-1][:15] + texts[15:]
+    tok = tiny.tokenizer
+    with pytest.warns(TruncationWarning):
+        alone = [pe.pack_texts(tok, [t], max_length=40).ids for t in texts]
+    out, cut = batches(tiny, texts, 100, chunk_texts, max_length=40)
     seen = []
-    real = embed_mod.tokenize_for
+    for idx, b, plen in out:
+        assert plen == 0 and b.num_tokens <= max(100, b.max_seqlen) and b.num_seqs == len(idx)
+        assert b.max_seqlen == int(b.lengths.max())
+        for j, i in enumerate(idx):
+            torch.testing.assert_close(b.ids[b.cu_seqlens[j]:b.cu_seqlens[j + 1]], alone[i], atol=0, rtol=0)
+            assert torch.equal(b.positions[b.cu_seqlens[j]:b.cu_seqlens[j + 1]], torch.arange(len(alone[i])))
+        seen += idx
+    assert sorted(seen) == list(range(len(texts)))
+    long = [i for i, x in enumerate(tok.encode(texts)[0]) if len(x) > 40]
+    assert sorted(cut) == long and long[-2:] == [30, 31]  # caller indices, gathered over every chunk
 
-    def spy(*a, **k):
-        seen.append(threading.current_thread().name)
-        return real(*a, **k)
 
-    monkeypatch.setattr(embed_mod, "tokenize_for", spy)
-    monkeypatch.setattr(embed_mod, "_CHUNK_TEXTS", 2)
-    run(tiny, ["a b c", "d e", "f", "g h i j"])
-    assert seen == ["packedenc-tokenize"] * 2
+@dataclasses.dataclass(frozen=True, eq=False)
+class ThreadSpy(Tokenizer):
+    """The model's tokenizer, noting which thread each tokenization runs on."""
+
+    seen: list = dataclasses.field(default_factory=list)
+
+    def encode_ids(self, texts, max_length=None):
+        self.seen.append(threading.current_thread().name)
+        return super().encode_ids(texts, max_length)
 
 
-def test_one_truncation_warning_for_the_whole_job(tiny, monkeypatch):
-    monkeypatch.setattr(embed_mod, "_CHUNK_TEXTS", 2)
+def test_tokenization_runs_on_a_background_thread(tiny):
+    spy = ThreadSpy(tiny.tokenizer.backend, tiny.tokenizer.max_length, tiny.tokenizer.source)
+    model = dataclasses.replace(tiny, tokenizer=spy)
+    batches(model, ["a b c", "d e", "f", "g h i j"], 65536, chunk_texts=2)
+    assert spy.seen == ["packedenc-tokenize"] * 2
+    spy.seen.clear()
+    run(model, ["a b c", "d e", "f", "g h i j"])
+    assert spy.seen == ["packedenc-tokenize"]
+
+
+def test_one_truncation_warning_for_the_whole_job(tiny):
     texts = ["word " * 100, "short", "also short", "word " * 200, "tiny"]  # limit: 64 positions
     with pytest.warns(TruncationWarning) as rec:
         out = run(tiny, texts, max_tokens=64)
     msgs = [str(w.message) for w in rec if issubclass(w.category, TruncationWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("2 of 5 text(s) were longer than 64 tokens")
     assert out.shape == (5, 32)
+
+
+def test_stats_break_one_call_down(tiny):
+    texts = [t for t in sentences() if len(t) < 150][:25]
+    tokens = sum(len(x) for x in tiny.tokenizer.encode(texts)[0])
+    n_batches = len(batches(tiny, texts, 64, chunk_texts=4096)[0])
+    stats = embed_mod.EmbedStats()
+    for _ in range(2):  # a second call starts from zero, it does not add to the first
+        run(tiny, texts, max_tokens=64, stats=stats)
+        assert (stats.batches, stats.texts, stats.tokens) == (n_batches, 25, tokens) and n_batches > 3
+        assert 0 < stats.tokenize_s < stats.wall_s and 0 < stats.pack_s < stats.wall_s
+        assert 0 <= stats.wait_s < stats.wall_s
+        assert stats.device_ms is None  # a CPU model: no device time
+    assert set(stats.as_record()) == {"wall_s", "batches", "texts", "tokens", "tokenize_s", "pack_s", "wait_s",
+                                      "device_ms"}
+    with pytest.raises(TypeError, match="stats must be a packedenc.text.embed.EmbedStats"):
+        run(tiny, texts, stats={})
 
 
 def test_truncate_false_raises_from_the_worker(tiny):
@@ -169,3 +221,7 @@ def test_gpu_graphed_embed_equals_eager_and_is_kept_with_the_model(tiny):
     assert embed_mod._GRAPHED[model][next(iter(embed_mod._GRAPHED[model]))] is g and g.num_graphs >= 1
     for out in (first, again):
         torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-4)
+    stats = embed_mod.EmbedStats()
+    torch.testing.assert_close(pe.embed(model, texts, progress=False, max_tokens=256, stats=stats), eager,
+                               atol=1e-5, rtol=1e-4)
+    assert stats.batches > 1 and 0 < stats.device_ms < stats.wall_s * 1e3  # CUDA events around every batch

@@ -15,24 +15,30 @@ import dataclasses
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError, InputTypeError
 from packedenc.checks import as_device, float_dtype
 from packedenc.kernels import get_ops
-from packedenc.packing import Packed, token_budget_batches
+from packedenc.packing import Packed
 from packedenc.text.sentence_transformers import (
     POOLING_MODES, Normalize, Pooling, SentenceModel, _MODE_ALIASES, load_sentence_transformer, run_modules,
 )
-from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, packed_from_ids, warn_truncated
+from packedenc.text.embed_stats import EmbedStats
+from packedenc.text.token_ids import TokenIds
+from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, warn_truncated
 
-__all__ = ["embed", "TokenEmbeddings", "tokenize_for"]
+__all__ = ["embed", "EmbedStats", "TokenEmbeddings", "tokenize_for"]
 
-_CHUNK_TEXTS = 4096  # texts tokenized per background step: big enough for tokenizers' threads
+# Texts tokenized per background step: big enough for the tokenizers library's threads, small
+# enough that the first batch reaches the device soon.
+_CHUNK_TEXTS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,7 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
           normalize: bool | None = None, progress: bool = True, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None, prompt: str | None = None, query: bool = False,
           max_length: int | None = None, truncate: bool = True, backend: str = "auto",
-          graphs: bool | None = None) -> Tensor | TokenEmbeddings:
+          graphs: bool | None = None, stats: EmbedStats | None = None) -> Tensor | TokenEmbeddings:
     """Embed texts with a sentence-transformers / PyLate / HF model.
 
     Arguments:
@@ -83,6 +89,9 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         graphs: replay the backbone as CUDA graphs (`packedenc.cudagraphs.graphed`, lazy: a batch
             shape seen once runs eagerly, a repeated one replays). Default: on for a CUDA model,
             off elsewhere; the graphed encoder is kept with the model and reused by later calls.
+        stats: an `EmbedStats` to fill with this call's breakdown: wall time, batches, the
+            background tokenizer's time, the time the device loop waited for it, and (CUDA) the
+            summed device time of the batches. None (default) records nothing.
     Every batch is checked as it is packed, on the host (token ids against the model's vocabulary,
     lengths against its limit), so the device never sees an id it cannot embed and no check reads
     GPU data.
@@ -90,7 +99,12 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
         (N, D) float32 CPU tensor, row i for texts[i]; for multi-vector (ColBERT) models a
         `TokenEmbeddings` holding one vector per kept token.
     """
+    t_call = time.perf_counter()
     texts = _check_args(texts, max_tokens, prompt)
+    if stats is not None and not isinstance(stats, EmbedStats):
+        raise InputTypeError(f"stats must be a packedenc.text.embed.EmbedStats or None, got {type(stats).__name__}")
+    if stats is not None:
+        stats.reset()
     model = _as_model(model, as_device(device), float_dtype(dtype))
     get_ops(backend, model.device)  # an unknown backend, or one that cannot run there, fails before any work
     modules = _override(model, pooling, normalize)
@@ -108,10 +122,13 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
     try:
         with torch.inference_mode():
             for idx, batch, prompt_length in _batches(model, texts, max_tokens, prompt, query, max_length,
-                                                      truncate, cut_total, limit_used):
+                                                      truncate, cut_total, limit_used, stats=stats):
                 batch = batch.to(model.device)
+                start = None if stats is None else stats.start_batch(model.device)
                 f = run_modules(modules, encode(batch), batch, prompt_length=prompt_length,
                                 task="query" if query else "document")
+                if stats is not None:
+                    stats.end_batch(start, len(idx), batch.num_tokens)
                 current = _read_back(idx, f, model.multi_vector)
                 if pending is not None:
                     out = _store(pending, out, per_text, n)
@@ -122,6 +139,8 @@ def embed(model: Any, texts: Sequence[str], *, max_tokens: int = 65536, pooling:
                 bar.update(len(pending[0]))
     finally:
         bar.close()
+    if stats is not None:
+        stats.finish(time.perf_counter() - t_call)
     if cut_total:
         warn_truncated(len(cut_total), n, limit_used[0], min(cut_total))
     if out is not None:
@@ -239,27 +258,35 @@ def _override(model: SentenceModel, pooling: str | None, normalize: bool | None)
 
 
 def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: str | None, query: bool,
-             max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None]
+             max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None],
+             *, chunk_texts: int = _CHUNK_TEXTS, stats: EmbedStats | None = None
              ) -> Iterator[tuple[list[int], Packed, int]]:
-    """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk on a
-    background thread while the caller runs the device on the current one."""
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))  # longest first
-    chunks = [order[i:i + _CHUNK_TEXTS] for i in range(0, len(order), _CHUNK_TEXTS)]
+    """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk of
+    `chunk_texts` texts on a background thread while the caller runs the device on the current one.
+    `stats` gets the thread's tokenize and pack time and the caller's wait for it."""
+    assert chunk_texts > 0, chunk_texts
+    chars_N = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+    order_N = np.argsort(-chars_N, kind="stable")  # longest first, ties in the caller's order
+    chunks = [order_N[i:i + chunk_texts] for i in range(0, len(order_N), chunk_texts)]
     q: queue.Queue = queue.Queue(maxsize=8)
     stop = threading.Event()
 
     def produce() -> None:
         try:
-            for chunk in chunks:
-                ids, cut, limit, plen = tokenize_for(model, [texts[i] for i in chunk], prompt=prompt, query=query,
-                                                     max_length=max_length, truncate=truncate)
-                cut_total.extend(chunk[j] for j in cut)
+            for chunk_N in chunks:
+                t0 = time.perf_counter()
+                ids, cut, limit, plen = tokenize_for(model, [texts[i] for i in chunk_N.tolist()], prompt=prompt,
+                                                     query=query, max_length=max_length, truncate=truncate)
+                t1 = _tally(stats, "tokenize_s", t0)
+                cut_total.extend(chunk_N[cut].tolist())
                 limit_used[0] = limit
                 _check_vocab(ids, model)
-                by_len = sorted(range(len(chunk)), key=lambda j: -len(ids[j]))
-                for b in token_budget_batches([len(ids[j]) for j in by_len], max_tokens):
-                    sel = [by_len[k] for k in b]
-                    item = ([chunk[j] for j in sel], packed_from_ids([ids[j] for j in sel]), plen)
+                by_len_N, ids = ids.longest_first()
+                caller_N, positions_T = chunk_N[by_len_N], ids.positions_T()
+                # the budget cuts the length-sorted chunk into runs: each batch is a slice of `ids`
+                for a, z in ids.budget_runs(max_tokens):
+                    item = (caller_N[a:z].tolist(), ids.packed(a, z, positions_T), plen)
+                    _tally(stats, "pack_s", t1)
                     while not stop.is_set():
                         try:
                             q.put(item, timeout=0.1)
@@ -268,6 +295,7 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
                             continue
                     if stop.is_set():
                         return
+                    t1 = time.perf_counter()  # the wait for room in the queue is not packing
             q.put(None)
         except BaseException as e:  # re-raised on the caller's thread
             q.put(e)
@@ -276,7 +304,9 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
     worker.start()
     try:
         while True:
+            t0 = time.perf_counter()
             item = q.get()
+            _tally(stats, "wait_s", t0)
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -287,11 +317,19 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
         worker.join(timeout=5)
 
 
-def _check_vocab(ids: list[list[int]], model: SentenceModel) -> None:
-    """Host-side guard (the ids are still Python ints): a tokenizer that does not belong to the
+def _tally(stats: EmbedStats | None, field: str, since: float) -> float:
+    """Add the time since `since` to `stats.<field>` (when recording); return now."""
+    now = time.perf_counter()
+    if stats is not None:
+        setattr(stats, field, getattr(stats, field) + now - since)
+    return now
+
+
+def _check_vocab(ids: TokenIds, model: SentenceModel) -> None:
+    """Host-side guard (the ids are still on the host): a tokenizer that does not belong to the
     weights would otherwise index past the embedding table on the device."""
     vocab = getattr(model.params.config, "vocab_size", None)
-    top = max((max(x) for x in ids if x), default=-1)
+    top = ids.max_id()
     if vocab is not None and top >= vocab:
         raise InputError(
             f"the tokenizer produced id {top} but the model's vocabulary has {vocab} entries: the tokenizer "
@@ -301,9 +339,9 @@ def _check_vocab(ids: list[list[int]], model: SentenceModel) -> None:
 
 def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None = None, query: bool = False,
                  max_length: int | None = None, truncate: bool = True
-                 ) -> tuple[list[list[int]], list[int], int | None, int]:
+                 ) -> tuple[TokenIds, list[int], int | None, int]:
     """Token ids the way the model's folder says: prompts, and ColBERT's [Q]/[D] prefix and query
-    [MASK] expansion. Return: (ids per text, truncated indices, limit, prompt length in tokens)."""
+    [MASK] expansion. Return: (the texts' ids, truncated indices, limit, prompt length in tokens)."""
     tok = model.tokenizer
     c = model.colbert
     if c is None:
@@ -323,7 +361,7 @@ def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None =
         prefix_id = tok.token_id(prefix.strip())
     if prefix_id is not None:  # PyLate inserts the prefix token right after [CLS]
         ids, cut, _ = encode_texts(tok, texts, limit - 1, truncate)
-        ids = [x[:1] + [prefix_id] + x[1:] for x in ids]
+        ids = ids.with_token_after_first(prefix_id)
     else:  # not a token of this vocabulary: prepended as text, as sentence-transformers does
         ids, cut, _ = encode_texts(tok, [prefix + t for t in texts], limit, truncate)
     if query and c.query_expansion:
@@ -336,7 +374,7 @@ def tokenize_for(model: SentenceModel, texts: list[str], *, prompt: str | None =
         mask = tok.token_id("[MASK]") if tok.token_id("[MASK]") is not None else tok.token_id("<mask>")
         if mask is None:
             raise ConfigError("query expansion needs a [MASK] token, and this tokenizer has none")
-        ids = [x + [mask] * (limit - len(x)) for x in ids]
+        ids = ids.padded_to(limit, mask)
     return ids, cut, limit, 0
 
 

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from packedenc.errors import CheckpointError, InputError, InputTypeError
-from packedenc.packing import Packed, positions_from_cu_seqlens
+from packedenc.packing import Packed
+from packedenc.text.token_ids import TokenIds
 
 __all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
 
@@ -83,9 +84,17 @@ class Tokenizer:
 
     def encode(self, texts: Sequence[str], max_length: int | None = None) -> tuple[list[list[int]], list[int]]:
         """(token ids per text, indices of the texts that were truncated). No checks, no warning."""
+        ids, cut = self.encode_ids(texts, max_length)
+        return ids.tolist(), cut
+
+    def encode_ids(self, texts: Sequence[str], max_length: int | None = None) -> tuple[TokenIds, list[int]]:
+        """`encode` as flat host arrays (`TokenIds`): what `embed` and `pack_texts` use."""
         t = self._truncating(max_length)
         enc = (t.encode_batch_fast if hasattr(t, "encode_batch_fast") else t.encode_batch)(list(texts))
-        return [e.ids for e in enc], [i for i, e in enumerate(enc) if e.overflowing]
+        ids = TokenIds.from_encodings(enc)
+        # Only a text cut to exactly max_length tokens can have overflowed: ask just those.
+        maybe = [] if max_length is None else np.flatnonzero(ids.lengths_N == max_length).tolist()
+        return ids, [i for i in maybe if enc[i].overflowing]
 
 
 def check_texts(texts: Any) -> list[str]:
@@ -138,17 +147,17 @@ def _limit(tok: Tokenizer, max_length: int | None) -> int | None:
 
 
 def encode_texts(tok: Tokenizer, texts: Sequence[str], max_length: int | None, truncate: bool
-                 ) -> tuple[list[list[int]], list[int], int | None]:
-    """Tokenize checked texts: (ids per text, truncated indices, the limit used). Raises on
+                 ) -> tuple[TokenIds, list[int], int | None]:
+    """Tokenize checked texts: (their ids, truncated indices, the limit used). Raises on
     truncation when `truncate=False`; never warns (callers report once per job)."""
     limit = _limit(tok, max_length)
-    ids, cut = tok.encode(texts, limit)
+    ids, cut = tok.encode_ids(texts, limit)
     if cut and not truncate:
         raise InputError(
             f"{len(cut)} of {len(texts)} text(s) are longer than {limit} tokens (first: texts[{cut[0]}]); "
             "shorten them, or pass truncate=True to cut them to the model's limit"
         )
-    empty = [i for i, x in enumerate(ids) if not x]
+    empty = np.flatnonzero(ids.lengths_N == 0)[:10].tolist()
     if empty:
         raise InputError(f"texts {empty[:10]} produce no tokens with this tokenizer; drop them")
     return ids, cut, limit
@@ -163,15 +172,9 @@ def warn_truncated(n: int, total: int, limit: int | None, first: int, stacklevel
     )
 
 
-def packed_from_ids(ids: Sequence[Sequence[int]], device: torch.device | str | None = None) -> Packed:
-    """Lists of token ids -> `Packed` without a per-sequence tensor (fast for many short texts)."""
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
-    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
-    cu[1:] = torch.from_numpy(np.cumsum(lengths)).to(torch.int32)
-    ids_t = torch.from_numpy(flat)
-    batch = Packed(ids=ids_t, cu_seqlens=cu, positions=positions_from_cu_seqlens(cu, ids_t.numel()),
-                   max_seqlen=int(lengths.max()))
+def packed_from_ids(ids: Sequence[Sequence[int]] | TokenIds, device: torch.device | str | None = None) -> Packed:
+    """Token ids (lists, or flat `TokenIds`) -> `Packed` without a per-sequence tensor."""
+    batch = (ids if isinstance(ids, TokenIds) else TokenIds.from_lists(ids)).packed()
     return batch if device is None else batch.to(device)
 
 
