@@ -142,7 +142,8 @@ _COMPILE = """
 import torch
 from packedenc.kernels.cute import geglu_gemm as G
 for dtype, D, F, tile in [(torch.bfloat16, 768, 1152, G.DEFAULT_TILE), (torch.float16, 1024, 2624, G.DEFAULT_TILE),
-                          (torch.bfloat16, 768, 1152, G.Tile(64, 128, 4)), (torch.bfloat16, 768, 1152, G.Tile(cluster=(2, 1)))]:
+                          (torch.bfloat16, 768, 1152, G.Tile(64, 128, 4)),
+                          (torch.bfloat16, 768, 1152, G.Tile(cluster=(2, 1)))]:
     assert G.compiled(dtype, D, F, tile) is not None
 print("compiled")
 """

@@ -182,7 +182,7 @@ class GegluGemm:
         b_smem = cute.slice_(b_smem_layout_staged, (None, None, 0))
         tx_bytes = cute.size_in_bytes(self.dtype, a_smem) + 2 * cute.size_in_bytes(self.dtype, b_smem)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         # One consumer arrival per warp (and per peer CTA that multicasts into this one).
         mcast_size = self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
