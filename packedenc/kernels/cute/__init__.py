@@ -23,4 +23,6 @@ time it runs in a process. FA4 keeps the compiled kernels on disk when asked to,
 
 Later processes with the same two variables load the kernels instead of compiling them. The cache
 is keyed by the FA4 / cutlass / Python versions, so an upgrade recompiles on first use.
+The GeGLU GEMM (`geglu_gemm.py`) keeps its compiled kernels in memory only, one per (dtype, D, F,
+tile): the first linear_glu call of a process at a model width compiles for about a second.
 """

@@ -153,21 +153,21 @@ class GegluGemm:
         tidx, _, _ = cute.arch.thread_idx()
 
         # Grouped raster: 8 M tiles (clusters) walk the N tiles together, so x's slabs and the
-        # weight stay in L2 between the CTAs that read them.
+        # weight stay in L2 between the CTAs that read them; the last cdimx % 8 M tiles form a
+        # narrower group. (Plain arithmetic, not CUTLASS's layout form: with fewer than 8 M tiles,
+        # T < 8 x tile.m, that form takes a remainder by zero before it reaches its tail branch.)
         cidx, cidy, _ = cute.arch.cluster_idx()
-        cdimx, cdimy, _ = cute.arch.cluster_dim()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()  # the grid in clusters
         cluster_id = cidx + cdimx * cidy
         group_m = 8
-        s_shape = ((group_m, cdimx // group_m), cdimy)
-        s_layout = cute.make_layout(s_shape, stride=((1, cdimy * group_m), group_m))
-        num_reg = cute.size(s_shape)
-        cid_m, cid_n = s_layout.get_flat_coord(cluster_id % num_reg)
-        if cluster_id >= num_reg:  # the last M tiles when cdimx % 8 != 0
+        group = group_m * cdimy  # clusters in one group of 8 M tiles
+        n_full = cdimx // group_m * group  # clusters in whole groups
+        cid_m = cluster_id // group * group_m + cluster_id % group_m
+        cid_n = cluster_id % group // group_m
+        if cluster_id >= n_full:  # then cdimx % 8 > 0
             tail_m = cdimx % group_m
-            tail_m_i, tail_n_i = cute.make_layout((tail_m, cdimy), stride=(1, tail_m)).get_flat_coord(
-                cluster_id - num_reg)
-            cid_m = cute.size(s_shape, mode=[0]) + tail_m_i
-            cid_n = tail_n_i
+            cid_m = cdimx - tail_m + (cluster_id - n_full) % tail_m
+            cid_n = (cluster_id - n_full) // tail_m
         in_cluster = cute.arch.block_in_cluster_idx()
         pid_m = cid_m * self.cluster_shape_mn[0] + in_cluster[0]
         pid_n = cid_n * self.cluster_shape_mn[1] + in_cluster[1]
