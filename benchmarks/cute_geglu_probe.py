@@ -86,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                            err_plain_ragged=base_r, smem_bytes=G.smem_bytes(tile))
                 if ok and ok_r:
                     rec["ms"] = median_ms(run, reps=20, warmup=5)
+                torch.cuda.synchronize()  # a faulting kernel fails here, inside its own record
             except Exception as ex:  # noqa: BLE001 - a failing tile is a record, not the end of the probe
                 traceback.print_exc()
                 rec.update(status="failed", error=f"{type(ex).__name__}: {ex}"[:300])
             records.append(rec)
-            torch.cuda.synchronize()
     gemm_ms = records[0]["ms"]
     print(f"\ngeglu-64k on {head['gpu']} (commit {head['commit']}): cuBLAS GEMM alone {gemm_ms:.3f} ms")
     print(f"{'system':18s} {'tile m,n,st,cm,cn':18s} {'ms':>7s} {'vs gemm':>8s} {'TFLOP/s':>8s}  check")
