@@ -100,6 +100,10 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
         Row("triton", Evidence("deberta_h200.json", "tokens_per_s", "packedenc", "disentangled-flash",
                                ("mnli", "doc1k", "long"))),
     ),
+    "linear_glu": (  # cute: one GEMM with the gate in its epilogue, inference only (its covers rule)
+        Row("cute", None, why_not="not measured: benchmarks/cute.py --only geglu records packedenc[cute] on geglu-64k"),
+        Row("triton", _MODEL),
+    ),
 }
 DEFAULT: tuple[Row, ...] = (Row("triton", _MODEL),)
 

@@ -5,7 +5,9 @@
 What it registers (`backend.py`, imported by the op table when "cute" is asked for or tried by
 "auto"): `varlen_attention` through FlashAttention-4's CuteDSL varlen kernels, forward and
 backward, global and windowed, head dims 64 and 128, fp16 / bf16 (`attention.py`, its `covers_fa4`
-says which calls it takes; the table routes the rest to the next choice).
+says which calls it takes; the table routes the rest to the next choice), and `linear_glu` (the
+GeGLU input projection as one Hopper GEMM with the gate in its epilogue, inference only:
+`geglu_gemm.py`, `linear_glu.py`).
 Without the extra, `backend="cute"` raises a ConfigError that names it; "auto" never picks it.
 Whether "auto" picks it where it is installed is `kernels/auto.py`'s table, from measurements.
 
@@ -21,4 +23,6 @@ time it runs in a process. FA4 keeps the compiled kernels on disk when asked to,
 
 Later processes with the same two variables load the kernels instead of compiling them. The cache
 is keyed by the FA4 / cutlass / Python versions, so an upgrade recompiles on first use.
+The GeGLU GEMM (`geglu_gemm.py`) keeps its compiled kernels in memory only, one per (dtype, D, F,
+tile): the first linear_glu call of a process at a model width compiles for about a second.
 """

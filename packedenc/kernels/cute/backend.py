@@ -25,6 +25,8 @@ def _require() -> None:
 
 _require()
 
-from packedenc.kernels.cute import attention  # noqa: E402 (after the check: its CUDA kernels import FA4)
+# After the check: the CUDA kernels of these modules import FA4 / cutlass.
+from packedenc.kernels.cute import attention, linear_glu  # noqa: E402
 
 register_impl("cute", "varlen_attention", attention.varlen_attention, covers=attention.covers_fa4)
+register_impl("cute", "linear_glu", linear_glu.linear_glu, covers=linear_glu.covers_linear_glu)

@@ -1,0 +1,383 @@
+"""GeGLU input projection as one Hopper GEMM (CuteDSL, sm90a): out = gelu(x @ W_in.T) * (x @ W_gate.T).
+
+Shapes: T packed tokens, D hidden, F mlp width; weight (2F, D) in HF's (out, in) layout, input rows
+[0, F) then gate rows [F, 2F) (ModernBERT's Wi).
+
+Each CTA computes one (tile.m, tile.n) tile of the (T, F) output. TMA loads x's (m, 64) slab and
+the matching (n, 64) slabs of BOTH weight halves into one pipeline stage; WGMMA accumulates them
+into two fp32 register tiles (input and gate) from the same x slab, so x is read once for both.
+The epilogue computes exact-erf GELU(a) * g in fp32, rounds once to x's dtype and stores through
+shared memory with TMA. u (T, 2F) is never written: that is the whole point against cuBLAS + gate.
+
+The weight is seen as a (F, D, 2) tensor (the two halves as a batch mode), so one TMA descriptor
+serves both halves and a ragged last N tile (F % tile.n != 0) reads zeros past row F of each half
+instead of the other half's rows. T is a runtime value (TMA zero-fills rows past T on load and
+clips them on store), so one compiled kernel per (dtype, D, F, tile) serves every pack.
+
+Follows the structure of CUTLASS's examples/python/CuTeDSL hopper dense_gemm.py (non-persistent,
+warp 0 issues the TMA loads between MMAs); the second accumulator, the batch-mode weight and the
+epilogue are ours. Requires CUTE_DSL's sm_90a target (WGMMA does not exist on sm100).
+"""
+
+import dataclasses
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.runtime import make_ptr
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+__all__ = ["Tile", "DEFAULT_TILE", "geglu", "compiled", "smem_bytes"]
+
+BK = 64  # K per stage: 4 WGMMA k-blocks of 16 (bf16 / fp16)
+SMEM_CAPACITY = 232448  # sm90: 227 KiB per CTA
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
+DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+
+
+def smem_bytes(tile: "Tile") -> int:
+    return tile.stages * (tile.m + 2 * tile.n) * BK * 2 + 1024  # + barriers and alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """Launch shape: output tile (m x n) per CTA, pipeline stages, cluster (M, N) of CTAs."""
+
+    m: int = 128  # 128: two consumer warp groups of 64 rows; 64: one
+    n: int = 128  # per half: the CTA multiplies m x 2n; 2 x 64 x n fp32 registers per warp group
+    stages: int = 4  # (m + 2n) x 64 x 2 B each; 4 x 48 KiB at 128 x 128
+    cluster: tuple[int, int] = (1, 1)  # (2, 1): two M tiles share the weight slabs (TMA multicast)
+
+    def __post_init__(self):
+        if self.m not in (64, 128) or self.n not in (64, 128, 192) or self.stages < 2:
+            raise ValueError(f"Tile: m in (64, 128), n in (64, 128, 192), stages >= 2; got {self}")
+        if self.cluster not in ((1, 1), (2, 1), (1, 2), (2, 2)):
+            raise ValueError(f"Tile: cluster must be (1|2, 1|2), got {self.cluster}")
+        if smem_bytes(self) > SMEM_CAPACITY:
+            raise ValueError(f"Tile {self}: {smem_bytes(self)} B of shared memory > {SMEM_CAPACITY}")
+
+
+DEFAULT_TILE = Tile()
+
+
+class GegluGemm:
+    """The kernel for one (dtype, D, F, tile); `__call__` is the host side that `cute.compile` traces."""
+
+    def __init__(self, dtype: type[cutlass.Numeric], D: int, F: int, tile: Tile):
+        self.dtype, self.D, self.F, self.tile = dtype, D, F, tile
+        self.acc_dtype = cutlass.Float32
+        self.cluster_shape_mn = tile.cluster
+        # Two accumulators double the registers of a plain GEMM: a 128-row tile takes two
+        # warp groups (64 rows each) so that one thread holds 2 x 64 x n / 128 fp32 values.
+        self.atom_layout_mnk = (2, 1, 1) if tile.m == 128 else (1, 1, 1)
+        self.mma_warp_groups = math.prod(self.atom_layout_mnk)
+        self.threads_per_cta = 128 * self.mma_warp_groups
+        self.tile_shape_mnk = (tile.m, tile.n, BK)
+        self.ab_stage, self.epi_stage = tile.stages, 4
+        self.num_mcast_ctas_a, self.num_mcast_ctas_b = tile.cluster[1], tile.cluster[0]
+        self.is_a_mcast, self.is_b_mcast = self.num_mcast_ctas_a > 1, self.num_mcast_ctas_b > 1
+
+    def _setup(self):
+        """Layouts that need the MLIR context (called inside the traced `__call__`)."""
+        k_major = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, self.acc_dtype, self.atom_layout_mnk,
+            tiler_mn=(64, self.tile.n))
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override(
+            self.tile_shape_mnk, self.dtype, is_cooperative=self.mma_warp_groups == 2)
+        self.a_smem_layout_staged = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, self.tile_shape_mnk, self.dtype, self.ab_stage)
+        self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, self.tile_shape_mnk, self.dtype, self.ab_stage)
+        self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
+            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stage)
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, out_ptr: cute.Pointer, T: cutlass.Int32,
+                 stream: cuda.CUstream):
+        self._setup()
+        D, F = self.D, self.F
+        # (T, D, 1), (F, D, 2) and (T, F, 1), K / F contiguous; the last mode is the batch mode.
+        mX = cute.make_tensor(x_ptr, cute.make_ordered_layout((T, D, 1), order=(1, 0, 2)))
+        mW = cute.make_tensor(w_ptr, cute.make_ordered_layout((F, D, 2), order=(1, 0, 2)))
+        mO = cute.make_tensor(out_ptr, cute.make_ordered_layout((T, F, 1), order=(1, 0, 2)))
+
+        a_smem = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
+        b_smem = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
+        tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            self._g2s_op(self.num_mcast_ctas_a), mX, a_smem, (self.tile.m, BK), num_multicast=self.num_mcast_ctas_a)
+        tma_atom_w, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            self._g2s_op(self.num_mcast_ctas_b), mW, b_smem, (self.tile.n, BK), num_multicast=self.num_mcast_ctas_b)
+        tma_atom_o, tma_o = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mO,
+            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
+
+        tiles = cute.ceil_div(cute.get(cute.zipped_divide(mO, (self.tile.m, self.tile.n)).layout, mode=[1]).shape,
+                              (*self.cluster_shape_mn, 1))
+        grid = tuple(c * s for c, s in zip(tiles, (*self.cluster_shape_mn, 1)))
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem_layout_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem_layout_staged)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem_layout_staged)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, tma_atom_o, tma_o, self.tiled_mma, self.cta_layout_mnk,
+                    self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged).launch(
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
+
+    @staticmethod
+    def _g2s_op(mcast: int):
+        if mcast == 1:
+            return cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        return cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+
+    @cute.kernel
+    def kernel(self, tma_atom_x: cute.CopyAtom, mX_mkl: cute.Tensor, tma_atom_w: cute.CopyAtom, mW_nkl: cute.Tensor,
+               tma_atom_o: cute.CopyAtom, mO_mnl: cute.Tensor, tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
+               a_smem_layout_staged: cute.ComposedLayout, b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_x)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_w)
+        tidx, _, _ = cute.arch.thread_idx()
+
+        # Grouped raster: 8 M tiles (clusters) walk the N tiles together, so x's slabs and the
+        # weight stay in L2 between the CTAs that read them; the last cdimx % 8 M tiles form a
+        # narrower group. (Plain arithmetic, not CUTLASS's layout form: with fewer than 8 M tiles,
+        # T < 8 x tile.m, that form takes a remainder by zero before it reaches its tail branch.)
+        cidx, cidy, _ = cute.arch.cluster_idx()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()  # the grid in clusters
+        cluster_id = cidx + cdimx * cidy
+        group_m = 8
+        group = group_m * cdimy  # clusters in one group of 8 M tiles
+        n_full = cdimx // group_m * group  # clusters in whole groups
+        cid_m = cluster_id // group * group_m + cluster_id % group_m
+        cid_n = cluster_id % group // group_m
+        if cluster_id >= n_full:  # then cdimx % 8 > 0
+            tail_m = cdimx % group_m
+            cid_m = cdimx - tail_m + (cluster_id - n_full) % tail_m
+            cid_n = (cluster_id - n_full) // tail_m
+        in_cluster = cute.arch.block_in_cluster_idx()
+        pid_m = cid_m * self.cluster_shape_mn[0] + in_cluster[0]
+        pid_n = cid_n * self.cluster_shape_mn[1] + in_cluster[1]
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank)
+
+        a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=1)
+        b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=0)
+        a_mcast_mask = a_mcast_mask if self.is_a_mcast else 0
+        b_mcast_mask = b_mcast_mask if self.is_b_mcast else 0
+        a_smem = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.dtype, a_smem) + 2 * cute.size_in_bytes(self.dtype, b_smem)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        # One consumer arrival per warp (and per peer CTA that multicasts into this one).
+        mcast_size = self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(), num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     mcast_size * self.threads_per_cta // 32),
+            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sG = storage.sG.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        # The epilogue's staging buffer reuses x's stages (free once the mainloop is done).
+        sC = cute.make_tensor(cute.recast_ptr(sA.iterator, epi_smem_layout_staged.inner, dtype=self.dtype),
+                              epi_smem_layout_staged.outer)
+
+        tile_mnk = self.tile_shape_mnk
+        gA = cute.local_tile(mX_mkl, tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))  # (m, BK, k)
+        gB = cute.local_tile(mW_nkl, tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))  # input half
+        gG = cute.local_tile(mW_nkl, tile_mnk, (pid_m, pid_n, None, 1), proj=(None, 1, 1))  # gate half
+        gC = cute.local_tile(mO_mnl, tile_mnk, (pid_m, pid_n, None, 0), proj=(1, 1, None))  # (m, n)
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=128)(wg_idx))
+        tCgC = thr_mma.partition_C(gC)
+
+        a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
+        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_x, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_w, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        tGsG, tGgG = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_w, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2))
+
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCrG = tiled_mma.make_fragment_B(thr_mma.partition_B(sG))
+        acc_a = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_in.T
+        acc_g = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_gate.T
+
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+        k_tiles = cute.size(gA, mode=[2])
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+
+        # Warp 0 fills the pipeline, then refills each stage as the MMAs hand it back. A stage is
+        # x's slab and both weight slabs, behind one barrier. (Inline, not a helper: the DSL
+        # carries `producer` through the dynamic loops only if it is updated in their bodies.)
+        if warp_idx == 0:
+            for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
+                mainloop.producer_acquire(producer)
+                bar = mainloop.producer_get_barrier(producer)
+                cute.copy(tma_atom_x, tAgA[(None, producer.count)], tAsA[(None, producer.index)], tma_bar_ptr=bar,
+                          mcast_mask=a_mcast_mask)
+                cute.copy(tma_atom_w, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=bar,
+                          mcast_mask=b_mcast_mask)
+                cute.copy(tma_atom_w, tGgG[(None, producer.count)], tGsG[(None, producer.index)], tma_bar_ptr=bar,
+                          mcast_mask=b_mcast_mask)
+                mainloop.producer_commit(producer)
+                producer.advance()
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+
+        # First k tile, unrolled at trace time: the first k block of each accumulator overwrites it.
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        mainloop.consumer_wait(read)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            cute.gemm(tiled_mma, acc_a, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc_a)
+            cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)], tCrG[(None, None, kb, read.index)], acc_g)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+        read.advance()
+
+        for _ in cutlass.range(1, k_tiles, 1, unroll=1):
+            mainloop.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                cute.gemm(tiled_mma, acc_a, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
+                          acc_a)
+                cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)], tCrG[(None, None, kb, read.index)],
+                          acc_g)
+            cute.nvgpu.warpgroup.commit_group()
+            # One WGMMA group stays in flight: the previous stage is read, hand it back to TMA.
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release)
+            read.advance()
+            release.advance()
+            if warp_idx == 0 and producer.count < k_tiles:
+                mainloop.producer_acquire(producer)
+                bar = mainloop.producer_get_barrier(producer)
+                cute.copy(tma_atom_x, tAgA[(None, producer.count)], tAsA[(None, producer.index)], tma_bar_ptr=bar,
+                          mcast_mask=a_mcast_mask)
+                cute.copy(tma_atom_w, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=bar,
+                          mcast_mask=b_mcast_mask)
+                cute.copy(tma_atom_w, tGgG[(None, producer.count)], tGsG[(None, producer.index)], tma_bar_ptr=bar,
+                          mcast_mask=b_mcast_mask)
+                mainloop.producer_commit(producer)
+                producer.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+
+        self.epilogue(acc_a, acc_g, sC, gC, tiled_mma, tma_atom_o, tidx, warp_idx)
+
+    @cute.jit
+    def epilogue(self, acc_a: cute.Tensor, acc_g: cute.Tensor, sC: cute.Tensor, gC: cute.Tensor,
+                 tiled_mma: cute.TiledMma, tma_atom_o: cute.CopyAtom, tidx: cutlass.Int32, warp_idx: cutlass.Int32):
+        # gelu(a) * g in fp32, exact erf (HF "gelu"), into acc_a; rounded once when stored.
+        a = acc_a.load()
+        acc_a.store(0.5 * a * (1.0 + cute.math.erf(a * INV_SQRT2, fastmath=True)) * acc_g.load())
+
+        # sC aliases x's stages: every warp group (and peer CTA, which multicasts into them)
+        # must be done reading before the first store.
+        if cute.size(self.cluster_shape_mn) > 1:
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=self.dtype,
+                                                          elem_ty_acc=self.acc_dtype)
+        copy_atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, stage)
+        tRS_rAcc = tiled_copy_r2s.retile(acc_a)
+        rD_layout = cute.make_layout(cute.shape(thr_copy_r2s.partition_S(sC))[:3])
+        tRS_rD = cute.make_rmem_tensor_like(rD_layout, self.acc_dtype)
+        n_rD = cute.size(tRS_rD)
+
+        gC_epi = cute.zipped_divide(gC, self.epi_tile)
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                                self.threads_per_cta))
+        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+            for v in cutlass.range_constexpr(n_rD):
+                tRS_rD[v] = tRS_rAcc[epi_idx * n_rD + v]
+            tRS_rD_out = cute.make_rmem_tensor_like(rD_layout, self.dtype)
+            tRS_rD_out.store(tRS_rD.load().to(self.dtype))
+            buf = epi_idx % cute.size(tRS_sD, mode=[3])
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared visible to the TMA store
+            pipeline.sync(barrier_id=1)
+            if warp_idx == 0:
+                cute.copy(tma_atom_o, bSG_sD[(None, buf)], bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            pipeline.sync(barrier_id=1)
+        if warp_idx == 0:
+            store_pipe.producer_tail()
+
+
+# ---- host side: compile once per (dtype, D, F, tile), launch per call -------------------------------
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def _null(dtype) -> cute.Pointer:
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+
+def compiled(dtype: torch.dtype, D: int, F: int, tile: Tile = DEFAULT_TILE):
+    """The compiled kernel for these static sizes (T stays a runtime argument); compiles on first use."""
+    key = (dtype, D, F, tile)
+    if key not in _COMPILED:
+        cdt = DTYPES[dtype]
+        _COMPILED[key] = cute.compile(GegluGemm(cdt, D, F, tile), _null(cdt), _null(cdt), _null(cdt),
+                                      cutlass.Int32(1), cuda.CUstream(0))
+    return _COMPILED[key]
+
+
+def geglu(x_TD: torch.Tensor, weight: torch.Tensor, tile: Tile = DEFAULT_TILE) -> torch.Tensor:
+    """gelu(x @ weight[:F].T) * (x @ weight[F:].T), (T, F) in x's dtype. No checks beyond asserts:
+    the caller (`linear_glu.covers_linear_glu`) decides which inputs come here."""
+    T, D = x_TD.shape
+    F = weight.shape[0] // 2
+    assert weight.shape == (2 * F, D) and x_TD.dtype == weight.dtype and x_TD.is_contiguous() and weight.is_contiguous()
+    out_TF = torch.empty((T, F), device=x_TD.device, dtype=x_TD.dtype)
+    if T == 0:
+        return out_TF
+    if x_TD.data_ptr() % 16:  # TMA needs 16-byte aligned bases; a fresh copy is
+        x_TD = x_TD.clone()
+    if weight.data_ptr() % 16:
+        weight = weight.clone()
+    cdt = DTYPES[x_TD.dtype]
+    fn = compiled(x_TD.dtype, D, F, tile)
+    stream = cuda.CUstream(torch.cuda.current_stream(x_TD.device).cuda_stream)
+    ptr = lambda t: make_ptr(cdt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)  # noqa: E731
+    with torch.cuda.device(x_TD.device):
+        fn(ptr(x_TD), ptr(weight), ptr(out_TF), T, stream)
+    return out_TF
