@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from benchmarks import attention as a
 from packedenc import kernels
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import BACKENDS, OP_NAMES, auto, choose, describe_ops, get_ops, reference
@@ -129,18 +130,26 @@ def test_every_chosen_auto_row_cites_a_committed_record_that_shows_the_win():
                 continue
             recs = _records(ev.file)
             for wl in ev.workloads:
-                mine = [r[ev.metric] for r in recs if r["system"] == ev.system and r["workload"] == wl]
-                theirs = [r[ev.metric] for r in recs if r["system"] == ev.rival and r["workload"] == wl]
-                assert len(mine) == 1 and len(theirs) == 1, f"{ev.file}: {ev.system} / {ev.rival} on {wl}"
-                better = mine[0] > theirs[0] if ev.metric.endswith("_per_s") else mine[0] < theirs[0]
-                assert better, f"{op}: {ev} does not hold on {wl}: {mine[0]} vs {theirs[0]}"
-                checked += 1
+                for metric in ev.metrics:
+                    mine = [r[metric] for r in recs if r["system"] == ev.system and r["workload"] == wl]
+                    theirs = [r[metric] for r in recs if r["system"] == ev.rival and r["workload"] == wl]
+                    assert len(mine) == 1 and len(theirs) == 1, f"{ev.file}: {ev.system} / {ev.rival} on {wl}"
+                    better = mine[0] > theirs[0] if metric.endswith("_per_s") else mine[0] < theirs[0]
+                    assert better, f"{op}: {ev} does not hold on {wl} ({metric}): {mine[0]} vs {theirs[0]}"
+                    checked += 1
     assert checked >= 18  # every workload of every cited record was read
 
 
-def test_no_cute_row_is_chosen_without_a_record():
-    cute_rows = [r for rows in auto.AUTO_CUDA.values() for r in rows if r.backend == "cute"]
-    assert cute_rows and not any(r.chosen for r in cute_rows)  # listed ("not measured"), never chosen
+def test_cute_rows_are_chosen_only_with_a_record_and_fa4_only_for_long_global_layers():
+    cute_rows = {op: [r for r in rows if r.backend == "cute"] for op, rows in auto.AUTO_CUDA.items()}
+    assert all(r.chosen == (r.evidence is not None) for rows in cute_rows.values() for r in rows)
+    (fa4,) = cute_rows["varlen_attention"]
+    assert fa4.chosen and fa4.shape == "long-global"
+    # the record also shows FA4 losing where the shape class keeps it out: short and windowed
+    recs = {(r["system"], r["workload"]): r for r in _records("cute_h200.json")}
+    for wl in ("query-64k", "doc-64k-window", "long-window"):
+        assert recs[("packedenc[cute]", wl)]["fwd_ms"] > recs[("packedenc[triton]", wl)]["fwd_ms"], wl
+    assert max(a.lengths("query-64k")) < auto.LONG_SEQLEN <= max(a.lengths("doc-64k"))
 
 
 @pytest.fixture
@@ -154,7 +163,8 @@ def fake_cute(monkeypatch):
 
 def test_the_table_for_cuda_with_and_without_cute(fake_cute):
     every = {"triton", "flash", "cute"}.__contains__
-    assert choose("varlen_attention", "auto", "cuda", every) == "triton"  # the cute row has no record
+    assert choose("varlen_attention", "auto", "cuda", every) == "cute[long-global]>triton"
+    assert choose("varlen_attention", "auto", "cuda", {"triton", "flash"}.__contains__) == "triton"
     assert choose("graph_attention", "auto", "cuda", every) == "triton>flash"
     assert choose("deberta_attention", "auto", "cuda", every) == "triton"
     assert choose("linear_glu", "auto", "cuda", every) == "triton"
@@ -187,10 +197,10 @@ def test_a_measured_shaped_row_takes_its_shape_class_and_hands_on_the_rest(fake_
     fn(q, q, q, cu, L - 1)  # shorter than the class
     fn(q.float(), q.float(), q.float(), cu, L)  # the backend does not cover it
     g = q.clone().requires_grad_()
-    fn(g, g, g, cu, L)  # training
+    fn(g, g, g, cu, L)  # training: the class takes it too
     with torch.no_grad():
         fn(g, g, g, cu, L)  # inputs that require grad, under no_grad: inference
-    assert calls == ["fa", "tri", "tri", "tri", "tri", "fa"]
+    assert calls == ["fa", "tri", "tri", "tri", "fa", "fa"]
 
 
 def test_describe_ops_names_every_op_its_choice_and_why():
@@ -200,7 +210,7 @@ def test_describe_ops_names_every_op_its_choice_and_why():
     for op in OP_NAMES:
         assert any(line.split()[:2] == [op, "reference"] for line in lines), op
     cuda = describe_ops("auto", "cuda")
-    assert "(not cute[long-global])" in cuda and "not measured" in cuda
+    assert "(not cute)" in cuda and "not measured" in cuda  # linear_glu's GeGLU GEMM row
     chosen = dict(get_ops("auto", "cuda").chosen)
     for op in OP_NAMES:
         assert any(line.split()[:2] == [op, chosen[op]] for line in cuda.splitlines()), op
@@ -277,7 +287,7 @@ def test_gpu_cute_backward(cute_loaded, K, window):
 def test_gpu_cute_table_compile_and_cuda_graph(cute_loaded):
     ops = get_ops("cute", "cuda")
     assert dict(ops.chosen)["varlen_attention"] == "cute>triton"
-    assert "cute" not in dict(get_ops("auto", "cuda").chosen)["varlen_attention"]  # no record yet
+    assert dict(get_ops("auto", "cuda").chosen)["varlen_attention"].startswith("cute[long-global]>triton")
     cu, L = cu_seqlens((100, 300, 1), "cuda"), 300
     q, k, v = _qkv(401, 12, 64, torch.bfloat16, "cuda")
     triton_fn = get_ops("triton", "cuda").varlen_attention
@@ -297,6 +307,33 @@ def test_gpu_cute_table_compile_and_cuda_graph(cute_loaded):
     q.mul_(0.5)
     graph.replay()
     assert torch.equal(out, ops.varlen_attention(q, k, v, cu, L, (64, 64)))
+
+
+@pytest.mark.gpu
+@pytest.mark.cute
+def test_gpu_fa4_backward_replays_in_a_cuda_graph(cute_loaded):
+    """auto sends long global layers to FA4 in training too: graphed training steps capture its backward."""
+    fn = get_ops("auto", "cuda").varlen_attention
+    lengths = (auto.LONG_SEQLEN, 5, 300)
+    T, cu, L = sum(lengths), cu_seqlens(lengths, "cuda"), max(lengths)
+    q, k, v = (t.requires_grad_() for t in _qkv(T, 4, 64, torch.bfloat16, "cuda"))
+    do = torch.randn(T, 4, 64, device="cuda").to(torch.bfloat16)
+
+    def step():
+        return torch.autograd.grad(fn(q, k, v, cu, L), (q, k, v), do)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside capture (compiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    graph.replay()
+    for a_, b_ in zip(got, eager):
+        assert torch.equal(a_, b_) or (a_.float() - b_.float()).abs().max() < 1e-2  # FA4's dq: atomics
 
 
 @pytest.mark.gpu
