@@ -90,6 +90,18 @@ _MODEL = Evidence("modernbert_h200.json", "tokens_per_s", "packedenc", "torch-pa
                   ("doc", "long", "query-64k", "doc-64k", "long-64k"))
 
 AUTO_CUDA: dict[str, tuple[Row, ...]] = {
+    # cute: quack's LayerNorm (kernels/cute/norms.py); add_layer_norm adds with torch first (the
+    # reference's rounding), so its forward is two kernels where triton's is one
+    "layer_norm": (
+        Row("cute", None, why_not="not measured in a model: benchmarks/cute.py --only norms records "
+                                  "packedenc[cute] vs packedenc[triton] on layer_norm-64k"),
+        Row("triton", _MODEL),
+    ),
+    "add_layer_norm": (
+        Row("cute", None, why_not="not measured in a model: benchmarks/cute.py --only norms records "
+                                  "packedenc[cute] vs packedenc[triton] on add_layer_norm-64k"),
+        Row("triton", _MODEL),
+    ),
     "varlen_attention": (
         Row("cute", Evidence("cute_h200.json", ("fwd_ms", "fwd_bwd_ms"), "packedenc[cute]", "packedenc[triton]",
                              ("doc-64k", "long")), "long-global"),  # FA4; windowed and short: triton wins

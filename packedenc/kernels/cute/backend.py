@@ -12,7 +12,8 @@ import importlib
 from packedenc.kernels import register_impl
 
 REQUIRES = {"cutlass": "nvidia-cutlass-dsl", "cutlass.cute": "nvidia-cutlass-dsl",
-            "flash_attn.cute": "flash-attn-4"}
+            "flash_attn.cute": "flash-attn-4",
+            "quack.rmsnorm": "quack-kernels"}  # norms.py: LayerNorm forward and backward
 
 
 def _require() -> None:
@@ -24,6 +25,10 @@ def _require() -> None:
 
 
 _require()
+from packedenc.kernels.cute import norms  # noqa: E402 (after the check: its CUDA kernels import quack)
+
+register_impl("cute", "layer_norm", norms.layer_norm, covers=norms.covers_layer_norm)
+register_impl("cute", "add_layer_norm", norms.add_layer_norm, covers=norms.covers_add_layer_norm)
 
 # After the check: the CUDA kernels of these modules import FA4 / cutlass.
 from packedenc.kernels.cute import attention, linear_glu  # noqa: E402
