@@ -8,7 +8,7 @@ backward, global and windowed, head dims 64 and 128, fp16 / bf16 (`attention.py`
 says which calls it takes; the table routes the rest to the next choice), `linear_glu` (the
 GeGLU input projection as one Hopper GEMM with the gate in its epilogue, inference only:
 `geglu_gemm.py`, `linear_glu.py`), and `layer_norm` / `add_layer_norm` (no x_bias) through
-quack-kernels' CuteDSL LayerNorm, forward and backward, fp16 / bf16, D % 8 == 0 up to 8192
+quack-kernels' CuteDSL LayerNorm, forward and backward, fp16 / bf16, D % 8 == 0 from 256 to 8192
 (`norms.py`, its `covers_*` rules).
 Without the extra, `backend="cute"` raises a ConfigError that names it; "auto" never picks it.
 Whether "auto" picks it where it is installed is `kernels/auto.py`'s table, from measurements.

@@ -40,11 +40,11 @@ from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
 
-__all__ = ["layer_norm", "add_layer_norm", "covers_layer_norm", "covers_add_layer_norm", "MAX_HIDDEN",
-           "MIN_CAPABILITY"]
+__all__ = ["layer_norm", "add_layer_norm", "covers_layer_norm", "covers_add_layer_norm", "MIN_HIDDEN",
+           "MAX_HIDDEN", "MIN_CAPABILITY"]
 
 MIN_CAPABILITY = (9, 0)  # quack's norms use thread-block clusters (sm90+); older GPUs go to triton
-MAX_HIDDEN = 8192  # rows up to here run in one CTA without a cluster; wider rows are not tested here
+MIN_HIDDEN, MAX_HIDDEN = 256, 8192  # quack's own tests start near 256; up to 8192 a row needs no cluster
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _F32 = torch.float32
@@ -62,7 +62,7 @@ def _covers(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dtype in _ACT_DTYPES
         and x.stride(-1) == 1
         and D % 8 == 0  # 16-byte rows: quack's vector copies at full width
-        and 0 < D <= MAX_HIDDEN
+        and MIN_HIDDEN <= D <= MAX_HIDDEN
         and weight.dtype in _PARAM_DTYPES and tuple(weight.shape) == (D,) and weight.is_cuda
         and (bias is None or (bias.dtype in _PARAM_DTYPES and tuple(bias.shape) == (D,) and bias.is_cuda))
         and _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
@@ -72,7 +72,7 @@ def _covers(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 def covers_layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> bool:
     """The layer_norm calls quack takes (host values only): CUDA fp16 / bf16 x with a contiguous
-    last dim D, D % 8 == 0 and D <= MAX_HIDDEN, a (D,) weight and bias, an sm90+ device."""
+    last dim D, D % 8 == 0 and MIN_HIDDEN <= D <= MAX_HIDDEN, a (D,) weight and bias, an sm90+ device."""
     return _covers(x_TD, weight, bias)
 
 
@@ -160,7 +160,10 @@ def _fwd(x: Tensor, residual: Tensor | None, weight: Tensor, bias: Tensor | None
         y, s = reference.layer_norm(x, weight, bias, eps), x.new_empty(0)
     else:
         y, s = reference.add_layer_norm(x, residual, weight, bias, eps)
-    mean, rstd = _stats(x if residual is None else s, eps) if need_stats else (x.new_empty(0, dtype=_F32),) * 2
+    if need_stats:
+        mean, rstd = _stats(x if residual is None else s, eps)
+    else:  # two tensors: a custom op's outputs must not alias each other
+        mean, rstd = x.new_empty(0, dtype=_F32), x.new_empty(0, dtype=_F32)
     return y, s, mean, rstd
 
 
@@ -213,6 +216,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy, dsum, dmean, drstd):
     s, weight, mean, rstd = ctx.saved_tensors
     x_dtype, res_dtype, w_dtype, b_dtype = ctx.dtypes
+    if res_dtype is None:  # layer_norm's placeholder sum: AOT autograd may hand it a (0,) zero gradient
+        dsum = None
     dw = db = None
     if dy is None and dsum is None:
         return None, None, None, None, None, None
@@ -256,7 +261,7 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
     the op runs the reference."""
     if x_TD.is_cuda and not covers_layer_norm(x_TD, weight, bias, eps):
         raise InputError(f"cute layer_norm: quack needs CUDA fp16 / bf16 x with a contiguous last dim D, "
-                         f"D % 8 == 0 and D <= {MAX_HIDDEN}, a (D,) weight / bias and an sm90+ GPU; got x "
+                         f"D % 8 == 0 and {MIN_HIDDEN} <= D <= {MAX_HIDDEN}, a (D,) weight / bias and an sm90+ GPU; got x "
                          f"{x_TD.dtype} {tuple(x_TD.shape)} stride {x_TD.stride()}, weight {weight.dtype} "
                          f"{tuple(weight.shape)} on {x_TD.device}")
     return _fwd_any(x_TD, None, weight, bias, eps)[0]
