@@ -14,8 +14,9 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
 2. geglu: the MLP input projection at 65,536 x 768 -> 2 x 1152 (`geglu-64k`): every backend that
    registers `linear_glu` (`packedenc[<backend>]`), plus `torch` (F.linear, then F.gelu(a) * g) and
    `cublas-gemm` (the GEMM alone: the floor of a fused kernel); `ms`, forward, no grad.
-3. norms: LayerNorm at 65,536 x 768 (`layer_norm-64k`): `quack` (quack-kernels' CuteDSL
-   layernorm_fwd / _bwd, fp32 weight as it requires) vs `packedenc[triton]`; `fwd_ms`, `fwd_bwd_ms`.
+3. norms (`cute_norms.py`): LayerNorm and add + LayerNorm at 65,536 x 768 (`layer_norm-64k`,
+   `add_layer_norm-64k`): `packedenc[cute]` (quack through the op table) and `packedenc[triton]`,
+   plus quack's kernels called directly (`quack`, `quack[fused-add]`); `fwd_ms`, `fwd_bwd_ms`, errors.
 4. model: ModernBERT-base (random weights) `encode` on the first batches of `long` and `doc-64k`
    (`modernbert-long`, `modernbert-doc-64k`): backend "triton" vs "cute"; `tokens_per_s`, and the
    minimum per-token cosine of cute's output against triton's.
@@ -178,47 +179,9 @@ def part_geglu(run: Run) -> list[dict[str, Any]]:
 
 
 def part_norms(run: Run) -> list[dict[str, Any]]:
-    from packedenc.kernels import get_ops, reference
+    from benchmarks.cute_norms import part_norms as norms  # its own file: layer_norm-64k, add_layer_norm-64k
 
-    fields = dict(workload="layer_norm-64k", tokens=T64K, hidden=D)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T64K, D, device="cuda", generator=g).to(BF16)
-    w = (1 + 0.1 * torch.randn(D, device="cuda", generator=g)).to(BF16)
-    dy = torch.randn(T64K, D, device="cuda", generator=g).to(BF16)
-    want = reference.layer_norm(x.float(), w.float(), None, 1e-5)
-    base_err = (reference.layer_norm(x, w, None, 1e-5).float() - want).abs().max().item()
-    tri = get_ops("triton", "cuda").layer_norm
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-    systems: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-        "packedenc[triton]": (lambda: tri(x, w, None, 1e-5),
-                              lambda: torch.autograd.grad(tri(xl, wl, None, 1e-5), (xl, wl), dy)),
-    }
-    try:
-        from quack.rmsnorm import layernorm_bwd, layernorm_fwd
-
-        w32 = w.float()
-
-        def quack_fwd_bwd():
-            _, rstd, mean = layernorm_fwd(x, w32, None, 1e-5, return_rstd=True, return_mean=True)
-            return layernorm_bwd(x, w32, dy, rstd, mean, has_bias=False)
-
-        systems["quack"] = (lambda: layernorm_fwd(x, w32, None, 1e-5), quack_fwd_bwd)
-    except Exception as e:  # noqa: BLE001 - quack-kernels missing or broken: an "absent" record says why
-        quack_err = f"{type(e).__name__}: {e}"[:300]
-    records = [] if "quack" in systems else [run.record("quack", status="absent", error=quack_err, **fields)]
-    for name, (fwd, fwd_bwd) in systems.items():
-        try:
-            with torch.no_grad():
-                e = (fwd().float() - want).abs().max().item()
-                f_ms = _ms(fwd)
-            rec = run.record(name, fwd_ms=f_ms, fwd_bwd_ms=_ms(fwd_bwd), err=e,
-                             err_ratio=e / base_err if base_err else None, **fields)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
-        records.append(rec)
-        print(_line(rec), flush=True)
-    return records
+    return norms(run)
 
 
 # ---- 4. model ------------------------------------------------------------------------------------------
