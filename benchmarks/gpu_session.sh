@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh stack-a      # the first half of the CuteDSL / FA4 stack (see below)
 #   bash benchmarks/gpu_session.sh cute         # the cute backend's GPU tests and the `cute` family
 #   bash benchmarks/gpu_session.sh cute-geglu   # the CuteDSL GeGLU GEMM: its GPU tests, the tile probe, cute --only geglu
+#   bash benchmarks/gpu_session.sh cute-norms   # quack's LayerNorm in the cute backend: its GPU tests, cute --only norms model
 #
 # Run from the repository root. Records (JSON) and logs go to $OUT (default ./gpu_out): copy the
 # JSON files into benchmarks/results/, then draw the tables and charts on any machine with
@@ -35,7 +36,7 @@
 #     call 2, carry [".gpu-stack/b"]: bash benchmarks/gpu_session.sh cute
 #   every later stage on the same warm machine finds the stack in /tmp/gpu-stack and uses it.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a|stack-a|cute|cute-geglu}
+stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a|stack-a|cute|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -96,6 +97,11 @@ case "$stage" in
             | tee "$out/cute-geglu-tests.log" | tail -25
         timeout 200 python3 -m benchmarks.cute_geglu_probe --out "$out/geglu_probe.json" 2>&1 | tee "$out/geglu-probe.log" | tail -20
         bench 120 cute --only geglu ;;
+    cute-norms)  # the tests compile ~60 quack variants (dtype, D, bias; the backward per power-of-two T)
+        [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
+        timeout 330 python3 -m pytest -m "gpu and cute" -q -p no:cacheprovider tests/kernels/test_cute_norms.py 2>&1 \
+            | tee "$out/cute-norms-tests.log" | tail -25
+        bench 230 cute --only norms model ;;
     stack-a)
         rm -rf "$stack" && mkdir -p "$stack" && tar -xJf .gpu-stack/a/stack-a.tar.xz -C "$stack" && echo stack-part-a-ok ;;
     minilm-a)
