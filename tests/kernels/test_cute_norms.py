@@ -383,7 +383,7 @@ def test_gpu_modernbert_forward_and_backward_on_cute_norms(quack_loaded, monkeyp
     tri, gtri = run(torch.bfloat16, "triton")
     assert calls == {"fwd": 0, "bwd": 0}
     out, gout = run(torch.bfloat16, "cute")
-    assert calls["fwd"] >= 2 * cfg.num_hidden_layers and calls["bwd"] >= 2 * cfg.num_hidden_layers, calls
+    assert calls["fwd"] >= cfg.num_hidden_layers and calls["bwd"] >= cfg.num_hidden_layers, calls  # quack ran
     cos = torch.nn.functional.cosine_similarity(out.float(), ref, dim=-1)
     assert cos.min() > 0.999, cos.min()
     for i, (a, t, r) in enumerate(zip(gout, gtri, gref)):
