@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh minilm-a     # the first half of the MiniLM wheel (see below)
 #   bash benchmarks/gpu_session.sh stack-a      # the first half of the CuteDSL / FA4 stack (see below)
 #   bash benchmarks/gpu_session.sh cute         # the cute backend's GPU tests and the `cute` family
+#   bash benchmarks/gpu_session.sh cute-all     # every cute GPU test file, the GeGLU tile probe, the `cute` family
 #   bash benchmarks/gpu_session.sh cute-geglu   # the CuteDSL GeGLU GEMM: its GPU tests, the tile probe, cute --only geglu
 #   bash benchmarks/gpu_session.sh cute-norms   # quack's LayerNorm in the cute backend: its GPU tests, cute --only norms model
 #
@@ -36,7 +37,7 @@
 #     call 2, carry [".gpu-stack/b"]: bash benchmarks/gpu_session.sh cute
 #   every later stage on the same warm machine finds the stack in /tmp/gpu-stack and uses it.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a|stack-a|cute|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a|stack-a|cute|cute-all|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -91,6 +92,14 @@ case "$stage" in
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
         timeout 300 python3 -m pytest -m "gpu and cute" -q -p no:cacheprovider tests/kernels/test_cute.py 2>&1 | tee "$out/cute-tests.log" | tail -25
         bench 280 cute ;;
+    cute-all)  # one call: every cute GPU test (per file, so one failing kernel does not hide the others), the tile probe, the family
+        [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
+        for f in test_cute test_cute_linear_glu test_cute_norms; do
+            timeout 120 python3 -m pytest -m "gpu and cute" -q --maxfail=3 -p no:cacheprovider tests/kernels/$f.py 2>&1 \
+                | tee "$out/$f.log" | grep -E "passed|failed|Error|error|assert" | tail -8
+        done
+        timeout 60 python3 -m benchmarks.cute_geglu_probe --out "$out/geglu_probe.json" 2>&1 | tee "$out/geglu-probe.log" | tail -14
+        bench 170 cute ;;
     cute-geglu)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
         timeout 240 python3 -m pytest -m "gpu and cute" -q -p no:cacheprovider tests/kernels/test_cute_linear_glu.py 2>&1 \
