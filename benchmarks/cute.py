@@ -41,17 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import attention as A
+from benchmarks.cute_common import BF16, D, FM, T64K, cute_error, line, time_ms
 from benchmarks.records import RESULTS_DIR, Run, write_records
 
-BF16 = torch.bfloat16
 PARTS = ("attention", "geglu", "norms", "model")
-T64K, D, FM = 65536, 768, 1152
-
-
-def _cute_error() -> str | None:
-    from packedenc import kernels
-
-    return None if kernels._load_backend("cute") else kernels._IMPORT_ERRORS.get("cute", "not registered")
 
 
 # ---- 1. attention ------------------------------------------------------------------------------------
@@ -99,7 +92,7 @@ def part_attention(run: Run) -> list[dict[str, Any]]:
     from packedenc.kernels import get_ops
 
     systems = {"packedenc[triton]": get_ops("triton", "cuda").varlen_attention}
-    err = _cute_error()
+    err = cute_error()
     if err is None:
         from packedenc.kernels.cute import attention as fa4
 
@@ -119,7 +112,7 @@ def part_attention(run: Run) -> list[dict[str, Any]]:
                 traceback.print_exc()
                 rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **base)
             records.append(rec)
-            print(_line(rec), flush=True)
+            print(line(rec), flush=True)
     if "packedenc[cute]" in systems:  # FA4's other head dim
         lens = A.lengths("doc-64k")
         for window in ((-1, -1), A.WINDOW):
@@ -127,15 +120,11 @@ def part_attention(run: Run) -> list[dict[str, Any]]:
             rec = run.record("packedenc[cute]", workload=wl, heads=6, head_dim=128, window=list(window),
                              **_check(systems["packedenc[cute]"], lens, window, 6, 128))
             records.append(rec)
-            print(_line(rec), flush=True)
+            print(line(rec), flush=True)
     return records
 
 
 # ---- 2. geglu, 3. norms ------------------------------------------------------------------------------
-
-
-def _ms(fn: Callable[[], Any]) -> float:
-    return A.median_ms(fn, reps=20, warmup=5)
 
 
 def part_geglu(run: Run) -> list[dict[str, Any]]:
@@ -169,12 +158,12 @@ def part_geglu(run: Run) -> list[dict[str, Any]]:
                 if name != "cublas-gemm":
                     e = (fn()[rows].float() - want).abs().max().item()
                     extra = dict(err=e, err_ratio=e / base_err if base_err else None)
-                rec = run.record(name, ms=_ms(fn), **fields, **extra)
+                rec = run.record(name, ms=time_ms(fn), **fields, **extra)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
         records.append(rec)
-        print(_line(rec), flush=True)
+        print(line(rec), flush=True)
     return records
 
 
@@ -193,7 +182,7 @@ def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
     from packedenc.models.modernbert import ModernBertConfig, init
 
     params = pe.tree_to(init(ModernBertConfig(), torch.Generator().manual_seed(0), dtype=BF16), "cuda")
-    err = _cute_error()
+    err = cute_error()
     records = []
     for name in ("long", "doc-64k"):
         wl = workload_named(name, MODERNBERT_WORKLOADS, params.config.vocab_size)
@@ -222,29 +211,11 @@ def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
                 traceback.print_exc()
                 rec = run.record(system, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
             records.append(rec)
-            print(_line(rec), flush=True)
+            print(line(rec), flush=True)
     return records
 
 
 # ---- records and table ---------------------------------------------------------------------------------
-
-
-def _line(r: dict[str, Any]) -> str:
-    head = f"{r['workload']:22s} {r['system']:18s}"
-    if r["status"] != "ok":
-        return f"{head} {r['status'].upper()}: {str(r.get('error'))[:90]}"
-    cells = [f"{k} {r[k]:.3f}" for k in ("fwd_ms", "fwd_bwd_ms", "ms") if r.get(k) is not None]
-    if r.get("tokens_per_s"):
-        cells.append(f"{r['tokens_per_s'] / 1e6:.3f}M tok/s")
-    if "check_ok" in r:
-        worst = max(("out", "dq", "dk", "dv"), key=lambda n: r[f"err_{n}"] / max(r[f"err_plain_{n}"], 1e-9))
-        cells.append(f"check {'ok' if r['check_ok'] else 'FAIL'} ({worst} {r[f'err_{worst}']:.1e} "
-                     f"vs plain {r[f'err_plain_{worst}']:.1e})")
-    if r.get("err_ratio") is not None:
-        cells.append(f"err/bf16-ref {r['err_ratio']:.2f}")
-    if r.get("min_cos_vs_triton") is not None:
-        cells.append(f"min cos vs triton {r['min_cos_vs_triton']:.5f}")
-    return f"{head} " + ", ".join(cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,14 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda")
     run = Run.start("cute", device, argv or [])
-    print(f"cute backend: {_cute_error() or 'loads'}", flush=True)
+    print(f"cute backend: {cute_error() or 'loads'}", flush=True)
     t0, records = time.perf_counter(), []
     parts = {"attention": part_attention, "geglu": part_geglu, "norms": part_norms, "model": part_model}
     for name in a.only or PARTS:
         print(f"\n## {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
         records += parts[name](run)
     print(f"\n## cute vs triton, bf16 on {run.gpu} ({time.perf_counter() - t0:.0f}s, commit {run.commit})")
-    print("\n".join(_line(r) for r in records))
+    print("\n".join(line(r) for r in records))
     if not a.no_write:
         ops_run = dataclasses.replace(run, family="ops")  # geglu-64k lives beside the ops family's rows
         geglu = [{**r, "family": "ops"} for r in records if r["workload"] == "geglu-64k"]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.cute import BF16, D, T64K, _cute_error, _line, _ms
+from benchmarks.cute_common import BF16, D, T64K, cute_error, line, time_ms
 from benchmarks.records import Run
 
 EPS = 1e-5
@@ -122,8 +122,8 @@ def part_norms(run: Run) -> list[dict[str, Any]]:
     ]
     for build, pairs in sources:
         try:
-            if pairs[0][1] == "packedenc[cute]" and _cute_error() is not None:
-                raise RuntimeError(_cute_error())
+            if pairs[0][1] == "packedenc[cute]" and cute_error() is not None:
+                raise RuntimeError(cute_error())
             for wl, entries in build().items():
                 systems[wl] |= entries
         except Exception as e:  # noqa: BLE001 - a missing or broken package: "absent" records say why
@@ -138,14 +138,14 @@ def part_norms(run: Run) -> list[dict[str, Any]]:
                     out = fwd()
                     y, s = out if isinstance(out, tuple) else (out, None)
                     e = (y.float() - ref["y32"]).abs().max().item()
-                    f_ms = _ms(fwd)
+                    f_ms = time_ms(fwd)
                 e_dx = (dx_fn().float() - ref["dx32"]).abs().max().item()
                 extra = {} if s is None else dict(sum_exact=bool(torch.equal(s, ref["sum"])))
-                rec = run.record(name, fwd_ms=f_ms, fwd_bwd_ms=_ms(fwd_bwd), err=e, err_ratio=e / ref["base"],
+                rec = run.record(name, fwd_ms=f_ms, fwd_bwd_ms=time_ms(fwd_bwd), err=e, err_ratio=e / ref["base"],
                                  err_dx=e_dx, err_dx_ratio=e_dx / ref["base_dx"], **extra, **fields)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
             records.append(rec)
-            print(_line(rec), flush=True)
+            print(line(rec), flush=True)
     return records

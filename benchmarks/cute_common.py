@@ -1,0 +1,43 @@
+"""What the cute family's parts share (benchmarks/cute.py, benchmarks/cute_norms.py): shapes, timing, the printed line.
+
+Shapes: ModernBERT-base's MLP at 64k tokens: T64K rows, D hidden, FM mlp width.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from benchmarks import attention as A
+
+BF16 = torch.bfloat16
+T64K, D, FM = 65536, 768, 1152
+
+
+def cute_error() -> str | None:
+    from packedenc import kernels
+
+    return None if kernels._load_backend("cute") else kernels._IMPORT_ERRORS.get("cute", "not registered")
+
+
+def time_ms(fn: Callable[[], Any]) -> float:
+    return A.median_ms(fn, reps=20, warmup=5)
+
+
+def line(r: dict[str, Any]) -> str:
+    head = f"{r['workload']:22s} {r['system']:18s}"
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()}: {str(r.get('error'))[:90]}"
+    cells = [f"{k} {r[k]:.3f}" for k in ("fwd_ms", "fwd_bwd_ms", "ms") if r.get(k) is not None]
+    if r.get("tokens_per_s"):
+        cells.append(f"{r['tokens_per_s'] / 1e6:.3f}M tok/s")
+    if "check_ok" in r:
+        worst = max(("out", "dq", "dk", "dv"), key=lambda n: r[f"err_{n}"] / max(r[f"err_plain_{n}"], 1e-9))
+        cells.append(f"check {'ok' if r['check_ok'] else 'FAIL'} ({worst} {r[f'err_{worst}']:.1e} "
+                     f"vs plain {r[f'err_plain_{worst}']:.1e})")
+    if r.get("err_ratio") is not None:
+        cells.append(f"err/bf16-ref {r['err_ratio']:.2f}")
+    if r.get("min_cos_vs_triton") is not None:
+        cells.append(f"min cos vs triton {r['min_cos_vs_triton']:.5f}")
+    return f"{head} " + ", ".join(cells)
