@@ -94,11 +94,12 @@ case "$stage" in
         bench 280 cute ;;
     cute-all)  # one call: every cute GPU test (per file, so one failing kernel does not hide the others), the tile probe, the family
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
-        for f in test_cute test_cute_linear_glu test_cute_norms; do
-            timeout 120 python3 -m pytest -m "gpu and cute" -q --maxfail=3 -p no:cacheprovider tests/kernels/$f.py 2>&1 \
+        for f in test_cute:90 test_cute_linear_glu:90 test_cute_norms:120; do
+            limit=${f#*:} f=${f%:*}
+            timeout "$limit" python3 -m pytest -m "gpu and cute" -q --maxfail=3 -p no:cacheprovider tests/kernels/$f.py 2>&1 \
                 | tee "$out/$f.log" | grep -E "passed|failed|Error|error|assert" | tail -8
         done
-        timeout 60 python3 -m benchmarks.cute_geglu_probe --out "$out/geglu_probe.json" 2>&1 | tee "$out/geglu-probe.log" | tail -14
+        timeout 50 python3 -m benchmarks.cute_geglu_probe --out "$out/geglu_probe.json" 2>&1 | tee "$out/geglu-probe.log" | tail -14
         bench 170 cute ;;
     cute-geglu)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
