@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN"]
+__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN", "inference", "long_global"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,14 @@ def long_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor,
     return tuple(window) == (-1, -1) and max_seqlen >= LONG_SEQLEN
 
 
-SHAPES = {"long-global": long_global}
+def inference(*args: object, **kwargs: object) -> bool:
+    """Any op's call with no gradient to compute (no tensor argument requires one, or grad is off)."""
+    if not torch.is_grad_enabled():
+        return True
+    return not any(isinstance(t, Tensor) and t.requires_grad for t in (*args, *kwargs.values()))
+
+
+SHAPES = {"long-global": long_global, "inference": inference}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -92,14 +99,15 @@ _MODEL = Evidence("modernbert_h200.json", "tokens_per_s", "packedenc", "torch-pa
 AUTO_CUDA: dict[str, tuple[Row, ...]] = {
     # cute: quack's LayerNorm (kernels/cute/norms.py); add_layer_norm adds with torch first (the
     # reference's rounding), so its forward is two kernels where triton's is one
-    "layer_norm": (
-        Row("cute", None, why_not="not measured in a model: benchmarks/cute.py --only norms records "
-                                  "packedenc[cute] vs packedenc[triton] on layer_norm-64k"),
+    "layer_norm": (  # quack's kernel alone is faster (raw `quack` rows); the fp32 weight cast and the
+        # partial-sum reduction around it cost what it saves
+        Row("cute", None, why_not="measured, not faster: cute_h200.json layer_norm-64k fwd 0.114 vs 0.115 ms, "
+                                  "fwd+bwd 0.552 vs 0.499 (packedenc[cute] vs packedenc[triton])"),
         Row("triton", _MODEL),
     ),
-    "add_layer_norm": (
-        Row("cute", None, why_not="not measured in a model: benchmarks/cute.py --only norms records "
-                                  "packedenc[cute] vs packedenc[triton] on add_layer_norm-64k"),
+    "add_layer_norm": (  # quack: the add, then its LayerNorm; the backward loses (cute_h200.json fwd_bwd_ms)
+        Row("cute", Evidence("cute_h200.json", "fwd_ms", "packedenc[cute]", "packedenc[triton]",
+                             ("add_layer_norm-64k",)), "inference"),
         Row("triton", _MODEL),
     ),
     "varlen_attention": (
@@ -119,7 +127,7 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
                                ("mnli", "doc1k", "long"))),
     ),
     "linear_glu": (  # cute: one GEMM with the gate in its epilogue, inference only (its covers rule)
-        Row("cute", None, why_not="not measured: benchmarks/cute.py --only geglu records packedenc[cute] on geglu-64k"),
+        Row("cute", Evidence("ops_h200.json", "ms", "packedenc[cute]", "packedenc[triton]", ("geglu-64k",))),
         Row("triton", _MODEL),
     ),
 }

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from packedenc import kernels
 from packedenc.errors import InputError
-from packedenc.kernels import auto, choose, describe_ops, get_ops, reference
+from packedenc.kernels import auto, choose, get_ops, reference
 from packedenc.kernels.cute import linear_glu as LG
 from tests.kernels._assert import assert_close_to_ref
 
@@ -109,16 +109,17 @@ def fake_cute(monkeypatch):
     return calls
 
 
-def test_the_auto_row_is_listed_and_not_chosen(fake_cute):
+def test_the_auto_row_is_chosen_on_its_record_and_hands_training_on(fake_cute):
     rows = auto.rows("linear_glu")
     assert [r.name for r in rows] == ["cute", "triton"]
-    assert not rows[0].chosen and "geglu-64k" in rows[0].why_not
+    assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k",)
     assert rows[1].evidence == auto.DEFAULT[0].evidence  # triton keeps the row it had as the default
     every = {"triton", "flash", "cute"}.__contains__
-    assert choose("linear_glu", "auto", "cuda", every) == "triton"
-    assert choose("linear_glu", "cute", "cuda", every) == "cute>triton"  # forced: training goes on
+    assert choose("linear_glu", "auto", "cuda", every) == "cute>triton"  # training and other inputs: triton
+    assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "triton"  # without the extra
+    assert choose("linear_glu", "cute", "cuda", every) == "cute>triton"
     assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "reference"
-    assert "(not cute)" in describe_ops("auto", "cuda")
+    assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k)"
 
 
 def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
@@ -223,7 +224,7 @@ def test_gpu_cute_linear_glu_unaligned_input_is_copied_not_misread(cute_loaded):
 def test_gpu_cute_linear_glu_table_training_compile_and_cuda_graph(cute_loaded):
     ops, tri = get_ops("cute", "cuda"), get_ops("triton", "cuda")
     assert dict(ops.chosen)["linear_glu"] == "cute>triton"
-    assert "cute" not in dict(get_ops("auto", "cuda").chosen)["linear_glu"]  # no record yet
+    assert dict(get_ops("auto", "cuda").chosen)["linear_glu"] == "cute>triton"
     x, w = _xw(1000, 768, 1152, torch.bfloat16, "cuda")
     with torch.no_grad():
         eager = ops.linear_glu(x, w, None, "gelu")

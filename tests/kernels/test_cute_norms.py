@@ -217,16 +217,28 @@ def fake_cute_norms(monkeypatch):
     monkeypatch.setitem(kernels._COVERS, ("cute", "add_layer_norm"), N.covers_add_layer_norm)
 
 
-def test_auto_lists_the_cute_norms_and_does_not_choose_them(fake_cute_norms):
+def test_auto_takes_quack_for_add_layer_norm_inference_only(fake_cute_norms):
     every = {"triton", "flash", "cute"}.__contains__
     for op in ("layer_norm", "add_layer_norm"):
         rows = auto.rows(op)
         assert [r.backend for r in rows] == ["cute", "triton"], op
-        assert not rows[0].chosen and "not measured" in rows[0].why_not and rows[1].chosen
-        assert choose(op, "auto", "cuda", every) == "triton"  # no record yet
+        assert rows[1].chosen
         assert choose(op, "cute", "cuda", every) == "cute>triton"  # forced: what quack does not take, triton
         assert choose(op, "auto", "cpu", every) == "reference"
+    assert not auto.rows("layer_norm")[0].chosen and "not faster" in auto.rows("layer_norm")[0].why_not
+    assert choose("layer_norm", "auto", "cuda", every) == "triton"
+    assert choose("add_layer_norm", "auto", "cuda", every) == "cute[inference]>triton"
+    assert choose("add_layer_norm", "auto", "cuda", {"triton"}.__contains__) == "triton"
     assert "(not cute)" in describe_ops("auto", "cuda")
+
+
+def test_the_inference_shape_class():
+    x = torch.zeros(3, 4)
+    g = x.clone().requires_grad_()
+    assert auto.inference(x, x, eps=1e-5) and auto.inference(x, residual=x)
+    assert not auto.inference(x, g) and not auto.inference(x, residual=g)
+    with torch.no_grad():
+        assert auto.inference(x, g)
 
 
 # ---- GPU, with the extra installed --------------------------------------------------------------------
@@ -356,15 +368,15 @@ def test_gpu_routing_views_compile_and_cuda_graph(quack_loaded):
 @pytest.mark.gpu
 @pytest.mark.cute
 def test_gpu_modernbert_forward_and_backward_on_cute_norms(quack_loaded, monkeypatch):
-    import quack.rmsnorm
+    rmsnorm = importlib.import_module("quack.rmsnorm")  # `quack.rmsnorm` the attribute is quack's function
 
     import packedenc as pe
     from packedenc.models.modernbert import ModernBertConfig, init
 
     calls = {"fwd": 0, "bwd": 0}
     for name, key in (("layernorm_fwd", "fwd"), ("_rmsnorm_bwd", "bwd")):
-        real = getattr(quack.rmsnorm, name)
-        monkeypatch.setattr(quack.rmsnorm, name, lambda *a, _f=real, _k=key, **k: (calls.__setitem__(_k, calls[_k] + 1),
+        real = getattr(rmsnorm, name)
+        monkeypatch.setattr(rmsnorm, name, lambda *a, _f=real, _k=key, **k: (calls.__setitem__(_k, calls[_k] + 1),
                                                                                    _f(*a, **k))[1])
     cfg = ModernBertConfig(vocab_size=500, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
                            num_attention_heads=4, local_attention=128)
