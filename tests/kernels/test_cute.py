@@ -152,6 +152,14 @@ def test_cute_rows_are_chosen_only_with_a_record_and_fa4_only_for_long_global_la
     assert max(bench_attention.lengths("query-64k")) < auto.LONG_SEQLEN <= max(bench_attention.lengths("doc-64k"))
 
 
+def test_the_inference_shape_class():
+    x = torch.zeros(3, 4)
+    g = x.clone().requires_grad_()
+    assert auto.inference(x, x, eps=1e-5) and auto.inference(x, residual=x)
+    assert not auto.inference(x, g) and not auto.inference(x, residual=g)
+    with torch.no_grad():
+        assert auto.inference(x, g)
+
 @pytest.fixture
 def fake_cute(monkeypatch):
     """The cute backend's real attention entry and covers rule, registered as if the extra loaded."""

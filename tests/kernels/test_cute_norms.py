@@ -232,14 +232,6 @@ def test_auto_takes_quack_for_add_layer_norm_inference_only(fake_cute_norms):
     assert "(not cute)" in describe_ops("auto", "cuda")
 
 
-def test_the_inference_shape_class():
-    x = torch.zeros(3, 4)
-    g = x.clone().requires_grad_()
-    assert auto.inference(x, x, eps=1e-5) and auto.inference(x, residual=x)
-    assert not auto.inference(x, g) and not auto.inference(x, residual=g)
-    with torch.no_grad():
-        assert auto.inference(x, g)
-
 
 # ---- GPU, with the extra installed --------------------------------------------------------------------
 
