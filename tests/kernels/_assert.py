@@ -50,3 +50,17 @@ def other_rows(lengths, s: int, device=DEVICE) -> Tensor:
     m = torch.ones(int(cu[-1]), dtype=torch.bool)
     m[cu[s] : cu[s + 1]] = False
     return m.to(device)
+
+
+def skip_without_cute(capable, why: str) -> None:
+    """Skip unless a CUDA GPU is here, the cute extra loads and `capable(capability)` holds (`why` says what)."""
+    import pytest
+
+    from packedenc import kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not kernels._load_backend("cute"):
+        pytest.skip(f"the cute extra does not load here: {kernels._IMPORT_ERRORS.get('cute')}")
+    if not capable(torch.cuda.get_device_capability()):
+        pytest.skip(why)

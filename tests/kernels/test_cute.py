@@ -21,7 +21,7 @@ from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import BACKENDS, OP_NAMES, auto, choose, describe_ops, get_ops, reference
 from packedenc.kernels.cute import attention as FA4
 from packedenc.kernels.reference import backward as reference_bwd
-from tests.kernels._assert import GPU_LENGTHS, assert_close_to_ref, cu_seqlens, other_rows
+from tests.kernels._assert import GPU_LENGTHS, assert_close_to_ref, cu_seqlens, other_rows, skip_without_cute
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -231,12 +231,7 @@ def test_describe_ops_names_every_op_its_choice_and_why():
 
 @pytest.fixture
 def cute_loaded():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not kernels._load_backend("cute"):
-        pytest.skip(f"the cute extra does not load here: {kernels._IMPORT_ERRORS.get('cute')}")
-    if torch.cuda.get_device_capability() < FA4.MIN_CAPABILITY:
-        pytest.skip("FA4 needs an sm90+ GPU")
+    skip_without_cute(lambda cap: cap >= FA4.MIN_CAPABILITY, "FA4 needs an sm90+ GPU")
 
 
 def _eager_lowp(q, k, v, cu, L, window):

@@ -23,7 +23,7 @@ from packedenc import kernels
 from packedenc.errors import InputError
 from packedenc.kernels import auto, choose, get_ops, reference
 from packedenc.kernels.cute import linear_glu as LG
-from tests.kernels._assert import assert_close_to_ref
+from tests.kernels._assert import assert_close_to_ref, skip_without_cute
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
@@ -173,12 +173,7 @@ def test_tile_rejects_shapes_the_kernel_does_not_take():
 
 @pytest.fixture
 def cute_loaded():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not kernels._load_backend("cute"):
-        pytest.skip(f"the cute extra does not load here: {kernels._IMPORT_ERRORS.get('cute')}")
-    if torch.cuda.get_device_capability()[0] != LG.CAPABILITY:
-        pytest.skip("the GeGLU GEMM needs an sm90 GPU")
+    skip_without_cute(lambda cap: cap[0] == LG.CAPABILITY, "the GeGLU GEMM needs an sm90 GPU")
 
 
 SHAPES = [(768, 1152), (1024, 2624)]  # ModernBERT base, large (2624 = 20.5 tiles of 128: a ragged N tile)

@@ -20,7 +20,7 @@ from packedenc import kernels
 from packedenc.errors import InputError
 from packedenc.kernels import auto, choose, describe_ops, get_ops, reference
 from packedenc.kernels.cute import norms as N
-from tests.kernels._assert import assert_close_to_ref
+from tests.kernels._assert import assert_close_to_ref, skip_without_cute
 
 EPS = 1e-5
 
@@ -238,12 +238,7 @@ def test_auto_takes_quack_for_add_layer_norm_inference_only(fake_cute_norms):
 
 @pytest.fixture
 def quack_loaded():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not kernels._load_backend("cute"):
-        pytest.skip(f"the cute extra does not load here: {kernels._IMPORT_ERRORS.get('cute')}")
-    if torch.cuda.get_device_capability() < N.MIN_CAPABILITY:
-        pytest.skip("quack's norms need an sm90+ GPU here")
+    skip_without_cute(lambda cap: cap >= N.MIN_CAPABILITY, "quack's norms need an sm90+ GPU here")
 
 
 def _f32(*ts):
