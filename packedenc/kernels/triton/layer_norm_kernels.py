@@ -152,11 +152,12 @@ def _ln_bwd_kernel(
 def ln_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
     residual: Tensor | None = None, ids: Tensor | None = None, x_bias: Tensor | None = None,
-    keep_sum: bool = True,
+    keep_sum: bool = True, tile: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward. Return (y, rounded sum or None). With `ids`, `x` is the (V, D) table;
     `x_bias` (D,) is added to x with the residual (x + x_bias + residual, one rounding). Without
-    `keep_sum` the sum is not written (a quarter of add_layer_norm's memory traffic) and is None."""
+    `keep_sum` the sum is not written (a quarter of add_layer_norm's memory traffic) and is None.
+    `tile` (rows per program, warps) overrides the width's default (`row_tile`): the tile probe."""
     check_float("layer_norm", x, weight)
     D = x.shape[-1]
     assert weight.shape == (D,) and (bias is None or bias.shape == (D,))
@@ -174,6 +175,8 @@ def ln_fwd(
     if T == 0:
         return y, s
     BLOCK_T, BLOCK_D, num_warps = row_tile(D)
+    if tile is not None:
+        BLOCK_T, num_warps = tile
     y2 = y.view(-1, D)
     s2 = s.view(-1, D) if s is not None else y2
     ids_ = ids.contiguous() if ids is not None else x2  # unused pointer when not gathering
@@ -202,17 +205,20 @@ BWD_PROGRAMS = 8192
 def ln_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, eps: float,
     dsum: Tensor | None = None, ids: Tensor | None = None, need_db: bool = True, need_dxb: bool = False,
-    programs: int = BWD_PROGRAMS,
+    programs: int = BWD_PROGRAMS, tile: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the backward. Return (dx (T, D) in x's dtype, sums (k, D) fp32): the rows of `sums`
     are dweight, then dbias if `need_db`, then d x_bias (column sums of dx) if `need_dxb`. `programs`
-    caps the programs (tests use few, so that one program owns several tiles)."""
+    caps the programs (tests use few, so that one program owns several tiles); `tile` (rows per
+    tile, warps) overrides the default, as in `ln_fwd`."""
     D = x.shape[-1]
     dy2, x2 = rows(dy), rows(x)
     T = dy2.shape[0]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
     # One row per tile: 82 us vs 98 us for four at T=32k, D=768 on an H200 (benchmarks/results/history/NOTES-diary.md).
     BLOCK_T, BLOCK_D, num_warps = row_tile(D, target=1024)
+    if tile is not None:
+        BLOCK_T, num_warps = tile
     n_tiles = cdiv(T, BLOCK_T)
     tiles_per_prog = max(1, cdiv(n_tiles, programs))  # fixed by T alone: deterministic sums
     P = max(1, cdiv(n_tiles, tiles_per_prog))
