@@ -22,7 +22,28 @@ def cute_error() -> str | None:
 
 
 def time_ms(fn: Callable[[], Any]) -> float:
+    """One call's time, host launch included (the GPU waits for it): what a host-bound batch pays."""
     return A.median_ms(fn, reps=20, warmup=5)
+
+
+def stream_ms(fn: Callable[[], Any], calls: int = 40, reps: int = 5) -> float:
+    """The time per call of `calls` calls queued back to back (median of `reps`): the GPU's time
+    when the host runs ahead, as in a device-bound model. For kernels shorter than their launch
+    cost it is the host's time instead; `time_ms` and this bound a call from both sides."""
+    import statistics
+
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / calls)
+    return statistics.median(out)
 
 
 def line(r: dict[str, Any]) -> str:

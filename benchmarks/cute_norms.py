@@ -9,7 +9,10 @@ Workloads, bf16, 65,536 x 768 (ModernBERT-base), no norm bias, eps 1e-5, seeded:
   LayerNorm: the reference's rounding; quack's backward with the sum's gradient fused), and
   `quack[fused-add]` (quack's own fused residual, `_rmsnorm_fwd(residual=...)`: one kernel, but its
   statistics come from the unrounded fp32 sum, not the reference's semantics: what exactness costs).
-Times: `fwd_ms` (no grad), `fwd_bwd_ms` (forward + autograd.grad of x[, r] and the weight).
+Times: `fwd_ms` (no grad), `fwd_bwd_ms` (forward + autograd.grad of x[, r] and the weight), each one
+call with its host launch (`cute_common.time_ms`), and `fwd_stream_ms` / `fwd_bwd_stream_ms`, the
+same calls queued back to back (`stream_ms`: the device's time when the host runs ahead, as in a
+model at 64k tokens). The `-4k` workloads time the forwards again at 4,096 rows (host-bound).
 Checks on the whole workload, against the fp32 reference: `err` / `err_ratio` (the output) and
 `err_dx` / `err_dx_ratio` (dx), each ratio over the plain bf16 reference's error (the 2x rule
 wants <= 2); `sum_exact`: the returned sum equals torch's x + r bit for bit.
@@ -22,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.cute_common import BF16, D, T64K, cute_error, line, time_ms
+from benchmarks.cute_common import BF16, D, T64K, cute_error, line, stream_ms, time_ms
 from benchmarks.records import Run
 
 EPS = 1e-5
@@ -41,7 +44,8 @@ def _quack_systems(x, r, w, dy, dy2) -> dict[str, dict[str, Callable[[], Any]]]:
 
     def fused_fwd(stats: bool):
         y, s = torch.empty_like(x), torch.empty_like(x)
-        rstd, mean = ((torch.empty(T64K, device="cuda"), torch.empty(T64K, device="cuda")) if stats else (None, None))
+        T = x.shape[0]
+        rstd, mean = ((torch.empty(T, device="cuda"), torch.empty(T, device="cuda")) if stats else (None, None))
         _rmsnorm_fwd(x, w32, y, bias=None, rstd=rstd, mean=mean, residual=r, residual_out=s, eps=EPS,
                      is_layernorm=True)
         return y, s, rstd, mean
@@ -141,11 +145,34 @@ def part_norms(run: Run) -> list[dict[str, Any]]:
                     f_ms = time_ms(fwd)
                 e_dx = (dx_fn().float() - ref["dx32"]).abs().max().item()
                 extra = {} if s is None else dict(sum_exact=bool(torch.equal(s, ref["sum"])))
-                rec = run.record(name, fwd_ms=f_ms, fwd_bwd_ms=time_ms(fwd_bwd), err=e, err_ratio=e / ref["base"],
+                with torch.no_grad():
+                    f_stream = stream_ms(fwd)
+                rec = run.record(name, fwd_ms=f_ms, fwd_bwd_ms=time_ms(fwd_bwd), fwd_stream_ms=f_stream,
+                                 fwd_bwd_stream_ms=stream_ms(fwd_bwd), err=e, err_ratio=e / ref["base"],
                                  err_dx=e_dx, err_dx_ratio=e_dx / ref["base_dx"], **extra, **fields)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
+            records.append(rec)
+            print(line(rec), flush=True)
+    return records + _small(run, x[:T_SMALL], r[:T_SMALL], w, dy[:T_SMALL], dy2[:T_SMALL], [n for _, n, _ in absent])
+
+
+T_SMALL = 4096  # a short batch (`query` packs ~3-4k tokens): host-bound, where launch cost decides
+
+
+def _small(run: Run, x, r, w, dy, dy2, absent: list[str]) -> list[dict[str, Any]]:
+    """The forwards again at T_SMALL rows, timed only (the 64k records checked the same kernels)."""
+    records = []
+    for build, name in ((lambda: _table_systems("triton", x, r, w, dy, dy2), "packedenc[triton]"),
+                        (lambda: _table_systems("cute", x, r, w, dy, dy2), "packedenc[cute]")):
+        if name in absent:
+            continue
+        for wl, entries in build().items():
+            fwd = entries[name][0]
+            with torch.no_grad():
+                rec = run.record(name, workload=wl.replace("-64k", "-4k"), tokens=T_SMALL, hidden=D,
+                                 fwd_ms=time_ms(fwd), fwd_stream_ms=stream_ms(fwd))
             records.append(rec)
             print(line(rec), flush=True)
     return records

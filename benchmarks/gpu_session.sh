@@ -36,8 +36,43 @@
 #     call 1, carry [".gpu-stack/a"]: bash benchmarks/gpu_session.sh stack-a [&& ... another stage]
 #     call 2, carry [".gpu-stack/b"]: bash benchmarks/gpu_session.sh cute
 #   every later stage on the same warm machine finds the stack in /tmp/gpu-stack and uses it.
+#
+# One commit's whole run in as few calls as the device time allows: `queue` runs the stages named, in
+# order, each only if its time limit still fits before the call's deadline (DEADLINE seconds, default
+# 570), and skips the ones this warm machine already finished; records gather in /tmp/gpu-run and are
+# copied to $OUT at the end of each call. Repeat the same call (with the next carry) until it says
+# "queue done":
+#     Q="stack-a minilm-a tests cute-bench readme-inference readme-train attention small"
+#     call 1, carry [".gpu-stack/a", the three .whl/*.whl]: bash benchmarks/gpu_session.sh queue $Q
+#     call 2, carry [".gpu-stack/b", ".whl/minilm-a"]:       the same
+#     call 3, carry [".whl/minilm-b"]:                       the same, and again until "queue: done"
+# A stage whose carry has not arrived yet fails fast and stays queued (stack-a, minilm-a; tests and
+# cute-bench wait for the stack, small for the MiniLM wheel).
+# The readme-*, small and attention stages measure the default install: they never see the stack.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh tests|inference|train|train-deberta|small|kernels|distributed|minilm-a|stack-a|cute|cute-all|cute-geglu|cute-norms}
+if [ "${1:-}" = queue ]; then
+    shift
+    start=$SECONDS deadline=${DEADLINE:-570} done_dir=/tmp/gpu-run/done final_out=${OUT:-gpu_out}
+    mkdir -p "$done_dir" "$final_out"
+    declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=420 [inference]=560 [readme-inference]=450 [train]=560
+                      [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220
+                      [cute-bench]=200 [cute-all]=560)
+    for st in "$@"; do
+        if [ -e "$done_dir/$st" ]; then continue; fi
+        need=${limit[$st]:-560}
+        if (( SECONDS - start + need > deadline )); then
+            echo "queue: $st (${need} s) does not fit in this call ($((SECONDS - start)) s used): next call"
+            continue
+        fi
+        echo "queue: $st (limit ${need} s, at $((SECONDS - start)) s)"
+        OUT=/tmp/gpu-run/out TESTS_LIMIT=${limit[tests]} REQUIRE_STACK=1 bash "$0" "$st" && touch "$done_dir/$st"
+    done
+    cp -r /tmp/gpu-run/out/. "$final_out"/ 2>/dev/null
+    left=$(for st in "$@"; do [ -e "$done_dir/$st" ] || printf '%s ' "$st"; done)
+    if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
+    exit 0
+fi
+stage=${1:?usage: gpu_session.sh queue STAGE...|tests|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -60,7 +95,9 @@ stack=/tmp/gpu-stack
 if [ -f .gpu-stack/b/stack-b.tar.xz ] && [ -d "$stack/nvidia_cutlass_dsl" ]; then
     tar -xJf .gpu-stack/b/stack-b.tar.xz -C "$stack"
 fi
-if [ -d "$stack/flash_attn" ]; then  # both halves unpacked (see the header)
+# The README's tables measure the default install: those stages never see the stack (the cute family does).
+case "$stage" in readme-*|small|attention) base_install=1 ;; *) base_install=0 ;; esac
+if [ -d "$stack/flash_attn" ] && [ "$base_install" = 0 ]; then  # both halves unpacked (see the header)
     export PYTHONPATH="$PYTHONPATH:$stack/nvidia_cutlass_dsl/dsl_packages:$stack"
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
 fi
@@ -71,15 +108,31 @@ bench() {  # bench <seconds> <family> [options]: one family, its log and records
 }
 case "$stage" in
     tests)
-        timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40 ;;
+        if [ "${REQUIRE_STACK:-0}" = 1 ] && [ ! -d "$stack/flash_attn" ]; then
+            echo "tests: waiting for the gpu-stack (the suite runs with it)"; exit 3
+        fi
+        timeout ${TESTS_LIMIT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40 ;;
     inference)
         bench 280 modernbert
         bench 280 deberta ;;
+    readme-inference)  # the README's inference tables: ModernBERT and DeBERTa, their default systems
+        bench 200 modernbert
+        bench 250 deberta ;;
     train)
         bench 560 train --models modernbert-base ;;
+    readme-train)  # the README's training table
+        bench 330 train --models modernbert-base --systems packedenc packedenc+graphs torch-packed --reps 3 ;;
+    attention)
+        timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
+    cute-bench)  # the cute family alone (its GPU tests are in `tests`, run with the stack unpacked)
+        [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
+        bench 200 cute ;;
     train-deberta)
         bench 560 train --models deberta-v3-base ;;
     small)
+        if [ "${REQUIRE_STACK:-0}" = 1 ] && ! ls /tmp/minilm/*.whl >/dev/null 2>&1; then
+            echo "small: waiting for the MiniLM wheel (minilm-a, then a call carrying .whl/minilm-b)"; exit 3
+        fi
         bench 150 bert
         bench 200 graph
         bench 200 embed ;;
@@ -113,6 +166,7 @@ case "$stage" in
             | tee "$out/cute-norms-tests.log" | tail -25
         bench 230 cute --only norms model ;;
     stack-a)
+        [ -f .gpu-stack/a/stack-a.tar.xz ] || { echo "stack-a: carry .gpu-stack/a"; exit 3; }
         rm -rf "$stack" && mkdir -p "$stack" && tar -xJf .gpu-stack/a/stack-a.tar.xz -C "$stack" && echo stack-part-a-ok ;;
     minilm-a)
         rm -rf /tmp/minilm && mkdir -p /tmp/minilm && cp .whl/minilm-a/* /tmp/minilm/ && echo minilm-part-a-ok ;;
