@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import triton
 
     gpu = torch.cuda.get_device_name()
-    meta = {"gpu": gpu, "commit": commit(), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+    meta = {"gpu": gpu, "commit": commit(), "command": " ".join(["python -m benchmarks attention", *(argv if argv is not None else sys.argv[1:])]),
             "torch": torch.__version__, "triton": triton.__version__, "dtype": "bfloat16", "heads": H, "head_dim": K}
     print(f"# benchmarks.attention on {gpu}; torch {torch.__version__}, triton {triton.__version__}; "
           f"commit {meta['commit']}", flush=True)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One stage of an H200 session, each sized to fit one device call (< 10 minutes):
 #
-#   bash benchmarks/gpu_session.sh tests        # the `gpu`-marked test suite
+#   bash benchmarks/gpu_session.sh tests        # the `gpu`-marked test suite (with the stack: over 10 minutes,
+#                                               #   so a queue runs it as tests-kernels, then tests-rest)
+#   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
+#   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
 #   bash benchmarks/gpu_session.sh train        # train family, ModernBERT-base
 #   bash benchmarks/gpu_session.sh train-deberta  # train family, DeBERTa-v3-base (DisentangledFlash from .whl)
@@ -42,7 +45,7 @@
 # 570), and skips the ones this warm machine already finished; records gather in /tmp/gpu-run and are
 # copied to $OUT at the end of each call. Repeat the same call (with the next carry) until it says
 # "queue done":
-#     Q="stack-a minilm-a tests cute-bench readme-inference readme-train attention small"
+#     Q="stack-a minilm-a tests-kernels tests-rest cute-bench readme-inference readme-train attention small"
 #     call 1, carry [".gpu-stack/a", the three .whl/*.whl]: bash benchmarks/gpu_session.sh queue $Q
 #     call 2, carry [".gpu-stack/b", ".whl/minilm-a"]:       the same
 #     call 3, carry [".whl/minilm-b"]:                       the same, and again until "queue: done"
@@ -54,7 +57,7 @@ if [ "${1:-}" = queue ]; then
     shift
     start=$SECONDS deadline=${DEADLINE:-570} done_dir=/tmp/gpu-run/done final_out=${OUT:-gpu_out}
     mkdir -p "$done_dir" "$final_out"
-    declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=420 [inference]=560 [readme-inference]=450 [train]=560
+    declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220
                       [cute-bench]=200 [cute-all]=560)
     for st in "$@"; do
@@ -65,14 +68,14 @@ if [ "${1:-}" = queue ]; then
             continue
         fi
         echo "queue: $st (limit ${need} s, at $((SECONDS - start)) s)"
-        OUT=/tmp/gpu-run/out TESTS_LIMIT=${limit[tests]} REQUIRE_STACK=1 bash "$0" "$st" && touch "$done_dir/$st"
+        OUT=/tmp/gpu-run/out TESTS_LIMIT=${limit[$st]:-560} REQUIRE_STACK=1 bash "$0" "$st" && touch "$done_dir/$st"
     done
     cp -r /tmp/gpu-run/out/. "$final_out"/ 2>/dev/null
     left=$(for st in "$@"; do [ -e "$done_dir/$st" ] || printf '%s ' "$st"; done)
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|tests|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -112,6 +115,13 @@ case "$stage" in
             echo "tests: waiting for the gpu-stack (the suite runs with it)"; exit 3
         fi
         timeout ${TESTS_LIMIT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    tests-kernels|tests-rest)  # the suite in two calls' worth: with the stack it needs ~11 minutes
+        if [ "${REQUIRE_STACK:-0}" = 1 ] && [ ! -d "$stack/flash_attn" ]; then
+            echo "$stage: waiting for the gpu-stack (the suite runs with it)"; exit 3
+        fi
+        if [ "$stage" = tests-kernels ]; then where=(tests/kernels); else where=(tests --ignore=tests/kernels); fi
+        timeout ${TESTS_LIMIT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider "${where[@]}" 2>&1 \
+            | tee "$out/$stage.log" | tail -25 ;;
     inference)
         bench 280 modernbert
         bench 280 deberta ;;

@@ -347,8 +347,8 @@ def test_gpu_graphs_hold_about_one_batch_of_memory():
     held = torch.cuda.memory_reserved() - before
     out_buffer = budget.tokens * cfg.hidden_size * 2
     # about one pool-sizing batch plus the shared output buffer (ten graphs that each pinned their
-    # own activations would hold several batches). H200, commit 20ecc8f: held 404 MB, while one
-    # eager 16k-token batch peaked at 236 MB allocated (so ~272 MB at the 18,432-token budget).
+    # own activations would hold several batches). On an H200 the graphs held ~400 MB where one
+    # eager 16k-token batch peaks at ~240 MB allocated (~270 MB at the 18,432-token budget).
     assert held <= 1.5 * eager_budget + out_buffer + (8 << 20), (held / 2**20, eager_budget / 2**20)
     for b in batches[:3]:  # and the replays are still right
         out = g(b.ids, b.cu_seqlens, b.max_seqlen)
