@@ -172,3 +172,20 @@ def test_targets_take_the_best_system_and_say_why_not():
     assert targets.evaluate(t, recs[:2])[0] == "n/a"
     lower = targets.Target("doc", "peak_reserved_gb", ("packedenc",), "<=", 0.5, ("torch-packed",))
     assert targets.evaluate(lower, recs)[0] == "MISSED"  # 1.0 GB vs 1.0 GB
+
+
+def test_every_benchmark_module_imports_and_every_family_has_help(capsys):
+    """A `python -m benchmarks...` entry point whose imports went stale fails here, not on the GPU."""
+    import importlib
+    import pkgutil
+
+    import benchmarks
+    from benchmarks.__main__ import FAMILIES, entry
+
+    for m in pkgutil.iter_modules(benchmarks.__path__):
+        importlib.import_module(f"benchmarks.{m.name}")
+    for family in FAMILIES:
+        with pytest.raises(SystemExit) as done:
+            entry(family)(["--help"])
+        assert done.value.code == 0, family
+    assert "usage" in capsys.readouterr().out

@@ -217,7 +217,7 @@ def fake_cute_norms(monkeypatch):
     monkeypatch.setitem(kernels._COVERS, ("cute", "add_layer_norm"), N.covers_add_layer_norm)
 
 
-def test_auto_takes_quack_for_add_layer_norm_inference_only(fake_cute_norms):
+def test_auto_lists_quack_for_the_norms_but_chooses_triton(fake_cute_norms):
     every = {"triton", "flash", "cute"}.__contains__
     for op in ("layer_norm", "add_layer_norm"):
         rows = auto.rows(op)
@@ -226,9 +226,10 @@ def test_auto_takes_quack_for_add_layer_norm_inference_only(fake_cute_norms):
         assert choose(op, "cute", "cuda", every) == "cute>triton"  # forced: what quack does not take, triton
         assert choose(op, "auto", "cpu", every) == "reference"
     assert not auto.rows("layer_norm")[0].chosen and "not faster" in auto.rows("layer_norm")[0].why_not
+    assert not auto.rows("add_layer_norm")[0].chosen and "norm_probe" in auto.rows("add_layer_norm")[0].why_not
     assert choose("layer_norm", "auto", "cuda", every) == "triton"
-    assert choose("add_layer_norm", "auto", "cuda", every) == "cute[inference]>triton"
-    assert choose("add_layer_norm", "auto", "cuda", {"triton"}.__contains__) == "triton"
+    assert choose("add_layer_norm", "auto", "cuda", every) == "triton"
+    assert choose("add_layer_norm", "cute", "cuda", every) == "cute>triton"
     assert "(not cute)" in describe_ops("auto", "cuda")
 
 

@@ -196,10 +196,10 @@ def ln_fwd(
 
 # Programs of the backward: many short ones, so that a partly filled last wave costs little. At
 # D = 768 the kernel takes 140 registers a thread (2 warps; ptxas for sm_90), so an SM holds 7
-# programs and an H200 924: 1024 programs of 64 rows (T = 64k) make 2 waves of 64 dependent row
-# iterations, which fits the measured ~154 us at T = 64k and 82 us at T = 32k (~1.2 us a row, 2.5
-# TB/s). 8192 programs of 8 rows: 9 waves of 8 rows. The (P, D) fp32 partials stay small (25 MB).
-BWD_PROGRAMS = 8192
+# programs. 1024 programs of 1-row tiles were the best of 12 (rows, warps, programs) settings at
+# 4k, 16k and 64k tokens (norm_probe_h200.json: 8192 programs tie at 64k and are 20-28% slower
+# below), and their (P, D) fp32 partials stay small (3 MB at D = 768) for the sum that follows.
+BWD_PROGRAMS = 1024
 
 
 def ln_bwd(
@@ -215,7 +215,7 @@ def ln_bwd(
     dy2, x2 = rows(dy), rows(x)
     T = dy2.shape[0]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    # One row per tile: 82 us vs 98 us for four at T=32k, D=768 on an H200 (benchmarks/results/history/NOTES-diary.md).
+    # One row per tile: the best backward tile measured (norm_probe_h200.json).
     BLOCK_T, BLOCK_D, num_warps = row_tile(D, target=1024)
     if tile is not None:
         BLOCK_T, num_warps = tile
