@@ -13,10 +13,12 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
    CUDA events, median of 15 after warm-up (FA4 compiles in the warm-up).
 2. geglu: the MLP input projection at 65,536 x 768 -> 2 x 1152 (`geglu-64k`): every backend that
    registers `linear_glu` (`packedenc[<backend>]`), plus `torch` (F.linear, then F.gelu(a) * g) and
-   `cublas-gemm` (the GEMM alone: the floor of a fused kernel); `ms`, forward, no grad.
+   `cublas-gemm` (the GEMM alone: the floor of a fused kernel); `ms`, forward, no grad, one call with
+   its host launch, and `stream_ms`, calls queued back to back (the device's time).
 3. norms (`cute_norms.py`): LayerNorm and add + LayerNorm at 65,536 x 768 (`layer_norm-64k`,
    `add_layer_norm-64k`): `packedenc[cute]` (quack through the op table) and `packedenc[triton]`,
-   plus quack's kernels called directly (`quack`, `quack[fused-add]`); `fwd_ms`, `fwd_bwd_ms`, errors.
+   plus quack's kernels called directly (`quack`, `quack[fused-add]`); `fwd_ms`, `fwd_bwd_ms`, their
+   queued-call `*_stream_ms`, errors; the forwards again at 4,096 rows (`-4k`).
 4. model: ModernBERT-base (random weights) `encode` on the first batches of `long` and `doc-64k`
    (`modernbert-long`, `modernbert-doc-64k`): backend "triton" vs "cute"; `tokens_per_s`, and the
    minimum per-token cosine of cute's output against triton's.
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import attention as A
-from benchmarks.cute_common import BF16, D, FM, T64K, cute_error, line, time_ms
+from benchmarks.cute_common import BF16, D, FM, T64K, cute_error, line, stream_ms, time_ms
 from benchmarks.records import RESULTS_DIR, Run, write_records
 
 PARTS = ("attention", "geglu", "norms", "model")
@@ -158,7 +160,7 @@ def part_geglu(run: Run) -> list[dict[str, Any]]:
                 if name != "cublas-gemm":
                     e = (fn()[rows].float() - want).abs().max().item()
                     extra = dict(err=e, err_ratio=e / base_err if base_err else None)
-                rec = run.record(name, ms=time_ms(fn), **fields, **extra)
+                rec = run.record(name, ms=time_ms(fn), stream_ms=stream_ms(fn), **fields, **extra)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
