@@ -189,3 +189,18 @@ def test_every_benchmark_module_imports_and_every_family_has_help(capsys):
             entry(family)(["--help"])
         assert done.value.code == 0, family
     assert "usage" in capsys.readouterr().out
+
+
+def test_the_readmes_tables_are_one_commits_records_as_committed():
+    """The README's performance tables are exactly what `report --commit C` draws from the committed
+    records, for the one commit C they name: a hand edit, a mixed commit or a stale table fails."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "README.md").read_text()
+    block = doc.split(report.BEGIN, 1)[1].split(report.END, 1)[0].lstrip("\n")
+    commits = set(re.findall(r"^NVIDIA [^,]+, commit ([0-9a-f]{7,12}),", block, flags=re.M))
+    assert len(commits) == 1, commits
+    _, by_family = report.load(records.RESULTS_DIR, None, report.DEFAULT_FAMILIES)
+    assert block == report.render(report.pick(by_family, commits.pop(), False))
