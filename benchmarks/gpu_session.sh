@@ -5,6 +5,7 @@
 #                                               #   so a queue runs it as tests-kernels, then tests-rest)
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
+#   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
 #   bash benchmarks/gpu_session.sh train        # train family, ModernBERT-base
 #   bash benchmarks/gpu_session.sh train-deberta  # train family, DeBERTa-v3-base (DisentangledFlash from .whl)
@@ -59,7 +60,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220
-                      [cute-bench]=200 [cute-all]=560)
+                      [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -75,7 +76,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -134,6 +135,9 @@ case "$stage" in
         bench 330 train --models modernbert-base --systems packedenc packedenc+graphs torch-packed --reps 3 ;;
     attention)
         timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
+    host)  # eager host time per op (issue 19's layer-by-layer count) and the LayerNorm tile probe
+        timeout 120 python3 -m benchmarks.host_probe --out "$out/host_probe.json" 2>&1 | tee "$out/host_probe.log" | tail -30
+        timeout 120 python3 -m benchmarks.norm_probe --out "$out/norm_probe.json" 2>&1 | tee "$out/norm_probe.log" | tail -12 ;;
     cute-bench)  # the cute family alone (its GPU tests are in `tests`, run with the stack unpacked)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
         bench 200 cute ;;

@@ -204,3 +204,14 @@ def test_the_readmes_tables_are_one_commits_records_as_committed():
     assert len(commits) == 1, commits
     _, by_family = report.load(records.RESULTS_DIR, None, report.DEFAULT_FAMILIES)
     assert block == report.render(report.pick(by_family, commits.pop(), False))
+
+
+def test_host_probe_runs_every_row_on_the_cpu(tmp_path):
+    """`benchmarks.host_probe` (GPU figures of eager host time per op) end to end on the CPU."""
+    from benchmarks import host_probe
+
+    out = tmp_path / "host.json"
+    assert host_probe.main(["--device", "cpu", "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert len(recs) >= 15 and all(r["status"] == "ok" and r["host_us"] > 0 for r in recs), recs
+    assert {"triton-launch[24 args]", "ops.add_layer_norm+grad[auto]", "encode(1 layers)[auto]"} <= {r["system"] for r in recs}
