@@ -30,6 +30,7 @@ import torch
 
 from packedenc.errors import CheckpointError, InputError, InputTypeError
 from packedenc.packing import Packed
+from packedenc.text.ascii_twin import ascii_twin, encode_batch
 from packedenc.text.token_ids import TokenIds
 
 __all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
@@ -65,12 +66,13 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def _truncating(self, max_length: int | None) -> Any:
-        """A private copy of the backend that truncates to `max_length` (thread-safe, cached):
-        `enable_truncation` mutates, and `embed` tokenizes on a background thread."""
+    def _truncating(self, max_length: int | None) -> tuple[Any, Any | None]:
+        """A private copy of the backend that truncates to `max_length`, and its ASCII twin or
+        None (`ascii_twin.py`). Thread-safe, cached: `enable_truncation` mutates, and `embed`
+        tokenizes on a background thread."""
         with self._lock:
-            t = self._cache.get(max_length)
-            if t is None:
+            pair = self._cache.get(max_length)
+            if pair is None:
                 from tokenizers import Tokenizer as _Tok
 
                 t = _Tok.from_str(self.backend.to_str())
@@ -79,8 +81,8 @@ class Tokenizer:
                     t.no_truncation()
                 else:
                     t.enable_truncation(max_length)
-                self._cache[max_length] = t
-            return t
+                pair = self._cache[max_length] = (t, ascii_twin(t))
+            return pair
 
     def encode(self, texts: Sequence[str], max_length: int | None = None) -> tuple[list[list[int]], list[int]]:
         """(token ids per text, indices of the texts that were truncated). No checks, no warning."""
@@ -89,8 +91,7 @@ class Tokenizer:
 
     def encode_ids(self, texts: Sequence[str], max_length: int | None = None) -> tuple[TokenIds, list[int]]:
         """`encode` as flat host arrays (`TokenIds`): what `embed` and `pack_texts` use."""
-        t = self._truncating(max_length)
-        enc = (t.encode_batch_fast if hasattr(t, "encode_batch_fast") else t.encode_batch)(list(texts))
+        enc = encode_batch(*self._truncating(max_length), texts)
         ids = TokenIds.from_encodings(enc)
         # Only a text cut to exactly max_length tokens can have overflowed: ask just those.
         maybe = [] if max_length is None else np.flatnonzero(ids.lengths_N == max_length).tolist()
