@@ -32,6 +32,7 @@ def test_minilm_twin_gives_the_same_ids_and_overflow(max_length):
     tok = pe.tokenizer(gt.get_model_path())
     base, twin = tok._truncating(max_length)
     assert twin is not None and type(twin.normalizer).__name__ == "Sequence"
+    assert type(twin.pre_tokenizer).__name__ == "Split"
     texts = _ascii_texts(600, seed=max_length or 0)
     assert all(t.isascii() for t in texts)
     assert _ids(twin.encode_batch(texts)) == _ids(base.encode_batch(texts))

@@ -5,10 +5,11 @@ text cleaning, CJK spacing, NFD accent stripping and lowercasing; on the tokeniz
 aligned strings that is about a third of the whole encode of a short English text. On an ASCII
 character all of it reduces to: drop the control characters other than tab / newline / return
 (`clean_text`; NUL included), turn those three into spaces, lowercase (`lowercase`): ASCII has
-no CJK, no accents and no other whitespace. The twin is the same tokenizer (pre-tokenizer,
-WordPiece, added tokens, post-processor, truncation) with that normalizer, and `encode_batch`
-sends it only the ASCII texts (`str.isascii` reads a flag CPython keeps: no scan), the others
-to the original, and returns the encodings in input order.
+no CJK, no accents and no other whitespace. `BertPreTokenizer` (a whitespace pass, then a
+punctuation pass) becomes one regex split. The twin is the same tokenizer (WordPiece, added
+tokens, post-processor, truncation) with those two swapped, and `encode_batch` sends it only
+the ASCII texts (`str.isascii` reads a flag CPython keeps: no scan), the others to the
+original, and returns the encodings in input order.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ __all__ = ["ascii_twin", "encode_batch"]
 # BertNormalizer's clean_text on ASCII: these go (Cc other than \t \n \r), then \t \n \r -> " "
 _CONTROL = "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
 _BREAKS = "[\t\n\r]"
+# BertPreTokenizer on ASCII: split at whitespace (dropped) and around each ASCII punctuation
+# character (kept alone: !"#$%&'()*+,-./ :;<=>?@ [\]^_` {|}~), in one regex pass instead of two
+_PUNCT = r"!-/:-@\[-`{-~"
+_PIECES = f"[{_PUNCT}]|[^\\s{_PUNCT}]+"
 
 
 def ascii_twin(backend: Any) -> Any | None:
@@ -39,6 +44,11 @@ def ascii_twin(backend: Any) -> Any | None:
         parts.append(normalizers.Lowercase())
     twin = _Tok.from_str(backend.to_str())
     twin.normalizer = normalizers.Sequence(parts) if parts else None
+    if (spec.get("pre_tokenizer") or {}).get("type") == "BertPreTokenizer":
+        from tokenizers import pre_tokenizers
+
+        # each piece is one punctuation character or a run of other non-space ones; the spaces go
+        twin.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="removed", invert=True)
     return twin
 
 
