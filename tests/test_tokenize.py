@@ -165,6 +165,12 @@ def test_deberta_spm_model_matches_transformers(tmp_path):
     expected = [hf(t).input_ids for t in texts]
     assert [s.tolist() for s in pe.unpack(batch.ids, batch.cu_seqlens)] == expected
     assert pe.tokenizer(folder).token_id("[MASK]") == hf.mask_token_id == 300
+    # its ASCII twin (NFC dropped, text/ascii_twin.py) gives the same ids on every ASCII character
+    from tests.texts import ascii_fuzz
+
+    base, twin = pe.tokenizer(folder)._truncating(64)
+    fuzz = ascii_fuzz(300, seed=5)
+    assert [e.ids for e in twin.encode_batch(fuzz)] == [e.ids for e in base.encode_batch(fuzz)]
 
 
 def test_spm_without_sentencepiece_says_how_to_install(tmp_path, monkeypatch):

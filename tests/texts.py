@@ -1,4 +1,8 @@
-"""Varied real sentences for the text tests: short and long, punctuation, non-ASCII, code, numbers."""
+"""Varied real sentences for the text tests: short and long, punctuation, non-ASCII, code, numbers;
+and an ASCII fuzz (every ASCII character, specials) for the tokenizers' ASCII twin."""
+
+import random
+import string
 
 BASE = [
     "A man is eating food.",
@@ -57,3 +61,15 @@ def sentences() -> list[str]:
     out += [LONG * k for k in (1, 2, 4, 7)]
     out += [f"Question {i}: what about {BASE[i].lower().rstrip('.!?')}?" for i in range(0, len(BASE), 2)]
     return out
+
+
+_SPECIAL = ["[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]", "[mask]", "##ing", "\x00", "\t", "\r\n", "\x0b", "\x7f"]
+
+
+def ascii_fuzz(n: int, seed: int) -> list[str]:
+    """Words, specials, every ASCII character (controls included), case mixed, lengths 0..400."""
+    rng = random.Random(seed)
+    pieces = [*string.ascii_letters, *string.digits, *string.punctuation, " ", "  ", *map(chr, range(128)),
+              "The", "QUICK", "brown", "fox's", "re-entry", "naive", "cafe", "3.14159", "e-mail", *_SPECIAL]
+    return [("" if i % 2 else " ").join(rng.choice(pieces) for _ in range(rng.randrange(0, 400 if i % 7 == 0 else 40)))
+            for i in range(n)]

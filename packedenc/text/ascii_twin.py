@@ -1,4 +1,4 @@
-"""A faster twin of a BERT-style tokenizer for ASCII texts: the same ids, a cheaper normalizer.
+"""A faster twin of a BERT-style tokenizer for ASCII texts: the same ids, a cheaper normalizer and pre-tokenizer.
 
 `BertNormalizer` (BERT, MiniLM, bge, e5 and the other WordPiece models) runs, per character,
 text cleaning, CJK spacing, NFD accent stripping and lowercasing; on the tokenizers library's
@@ -9,12 +9,12 @@ no CJK, no accents and no other whitespace. `BertPreTokenizer` (a whitespace pas
 punctuation pass) becomes one regex split. The twin is the same tokenizer (WordPiece, added
 tokens, post-processor, truncation) with those two swapped, and `encode_batch` sends it only
 the ASCII texts (`str.isascii` reads a flag CPython keeps: no scan), the others to the
-original, and returns the encodings in input order.
+original, and returns the encodings in input order. Unicode normalization forms (NFC, NFKC, ...:
+DeBERTa's and BPE models' tokenizers) are the identity on ASCII, and the twin drops them too.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 __all__ = ["ascii_twin", "encode_batch"]
@@ -29,27 +29,41 @@ _PIECES = f"[{_PUNCT}]|[^\\s{_PUNCT}]+"
 
 
 def ascii_twin(backend: Any) -> Any | None:
-    """The twin of a `tokenizers.Tokenizer` whose normalizer is one `BertNormalizer`, else None."""
-    from tokenizers import Regex, normalizers
+    """The twin of a `tokenizers.Tokenizer` for ASCII texts, or None when nothing in it gets cheaper."""
+    from tokenizers import Regex, pre_tokenizers
     from tokenizers import Tokenizer as _Tok
 
-    spec = json.loads(backend.to_str())
-    norm = spec.get("normalizer") or {}
-    if norm.get("type") != "BertNormalizer":
+    norm, changed = _ascii_normalizer(backend.normalizer)
+    bert_pre = isinstance(backend.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
+    if not (changed or bert_pre):
         return None
-    parts = []
-    if norm.get("clean_text", True):
-        parts += [normalizers.Replace(Regex(_CONTROL), ""), normalizers.Replace(Regex(_BREAKS), " ")]
-    if norm.get("lowercase", True):
-        parts.append(normalizers.Lowercase())
     twin = _Tok.from_str(backend.to_str())
-    twin.normalizer = normalizers.Sequence(parts) if parts else None
-    if (spec.get("pre_tokenizer") or {}).get("type") == "BertPreTokenizer":
-        from tokenizers import pre_tokenizers
-
-        # each piece is one punctuation character or a run of other non-space ones; the spaces go
+    twin.normalizer = norm
+    if bert_pre:  # each piece is one punctuation character or a run of other non-space ones; spaces go
         twin.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="removed", invert=True)
     return twin
+
+
+def _ascii_normalizer(n: Any) -> tuple[Any, bool]:
+    """(a normalizer doing to ASCII text what `n` does, whether it is cheaper). Unicode
+    normalization forms are the identity on ASCII and go; a BertNormalizer keeps its cleaning and
+    lowercasing; a Sequence is simplified piece by piece; anything else is kept as it is."""
+    from tokenizers import Regex, normalizers
+
+    if isinstance(n, (normalizers.NFC, normalizers.NFD, normalizers.NFKC, normalizers.NFKD)):
+        return None, True
+    if isinstance(n, normalizers.BertNormalizer):
+        parts = []
+        if n.clean_text:
+            parts += [normalizers.Replace(Regex(_CONTROL), ""), normalizers.Replace(Regex(_BREAKS), " ")]
+        if n.lowercase:
+            parts.append(normalizers.Lowercase())
+        return (normalizers.Sequence(parts) if parts else None), True
+    if isinstance(n, normalizers.Sequence):
+        pieces = [_ascii_normalizer(c) for c in n]
+        kept = [c for c, _ in pieces if c is not None]
+        return (normalizers.Sequence(kept) if kept else None), any(ch for _, ch in pieces)
+    return n, False
 
 
 def _encode(backend: Any, texts: list[str]) -> list[Any]:
