@@ -1,7 +1,8 @@
 """Plain-torch reference of every op the models call: the executable spec, runs on the CPU.
 
 `ops.py` holds the forward of each op under the name it has in `packedenc.kernels.Ops`
-(DeBERTa's disentangled attention and conv in `deberta.py`); `backward.py` the plain-torch
+(varlen attention in `attention.py`, DeBERTa's disentangled attention and conv in `deberta.py`);
+`backward.py` the plain-torch
 gradients the kernels' backward passes are tested against. This face re-exports the ops, so
 `reference.layer_norm(...)` reads like the table's entry.
 """

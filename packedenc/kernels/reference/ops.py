@@ -2,8 +2,8 @@
 
 Each function has the name and signature of the op in `packedenc.kernels.Ops`. Math is done in
 fp32 and the result is returned in the input dtype with one rounding, unless a comment says
-otherwise. Nothing here is optimised; it runs on the CPU and is what every kernel is tested
-against.
+otherwise. Nothing here is optimised beyond plain torch; it runs on the CPU (it is the CPU's
+backend) and is what every kernel is tested against.
 
 Shapes: T packed tokens, S sequences, D hidden, H heads, K head dim, F mlp width, V vocab.
 """
@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
-# DeBERTa's ops live in their own file; they are part of this module's namespace (the Ops table)
+# varlen attention and DeBERTa's ops live in their own files; they are part of this module's
+# namespace (the Ops table)
+from packedenc.kernels.reference.attention import varlen_attention
 from packedenc.kernels.reference.deberta import (
     deberta_attention, log_bucket_position, relative_positions, varlen_conv1d,
 )
@@ -217,70 +219,6 @@ def rotary(
     if with_v:
         return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1]), qkv_T3HK[:, 2]
     return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1])
-
-
-def varlen_attention(
-    q_THK: Tensor,
-    k_THK: Tensor,
-    v_THK: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    window: tuple[int, int] = (-1, -1),
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: int | None = None,
-) -> Tensor:
-    """Non-causal attention inside each packed sequence, with an optional FA-style window.
-
-    Arguments:
-        q_THK, k_THK, v_THK: (T, H, K) packed, no padding.
-        cu_seqlens: (S+1,) int32. max_seqlen: host int >= the longest sequence.
-        window: (left, right) like flash-attn: query i sees keys j with i - left <= j <= i + right,
-            -1 meaning unbounded. ModernBERT local layers use (64, 64).
-        scale: softmax scale, default K ** -0.5.
-        dropout_p, dropout_seed: dropout on the attention probabilities (training), with a mask
-            drawn from a generator seeded by `dropout_seed` (reference backend only).
-    Return:
-        (T, H, K) in q's dtype. fp32 softmax; tokens never see another sequence.
-
-    The reference scatters into a padded (S, H, L, L) grid: O(S * L^2) memory, fine for tests.
-    """
-    from packedenc.packing import positions_from_cu_seqlens, segment_ids
-
-    T, H, K = q_THK.shape
-    S = cu_seqlens.numel() - 1
-    L = max_seqlen
-    scale = K**-0.5 if scale is None else scale
-    seq_T = segment_ids(cu_seqlens, T)
-    pos_T = positions_from_cu_seqlens(cu_seqlens, T)
-
-    def grid(x_THK: Tensor) -> Tensor:  # (T, H, K) -> (S, H, L, K) fp32, zeros at pads
-        g = x_THK.new_zeros((S, L, H, K), dtype=torch.float32)
-        return g.index_put((seq_T, pos_T), x_THK.float()).transpose(1, 2)
-
-    lengths_S = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    i = torch.arange(L, device=q_THK.device)
-    keep_LL = torch.ones(L, L, dtype=torch.bool, device=q_THK.device)
-    left, right = window
-    if left >= 0:
-        keep_LL &= i[None, :] >= i[:, None] - left
-    if right >= 0:
-        keep_LL &= i[None, :] <= i[:, None] + right
-    key_ok_SL = i[None, :] < lengths_S[:, None]
-    # Padded query rows attend to everything so that no row is all -inf: a NaN there would be
-    # discarded in the forward but would poison the gradient of k through the softmax backward.
-    mask_SLL = (keep_LL[None] & key_ok_SL[:, None, :]) | ~key_ok_SL[:, :, None]
-
-    scores = torch.einsum("shik,shjk->shij", grid(q_THK), grid(k_THK)) * scale
-    scores = scores.masked_fill(~mask_SLL[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if dropout_p > 0.0 and dropout_seed is not None:
-        g = torch.Generator(device=probs.device)
-        g.manual_seed(dropout_seed)
-        keep = torch.rand(probs.shape, generator=g, device=probs.device) >= dropout_p
-        probs = probs * keep / (1.0 - dropout_p)
-    o_SHLK = torch.einsum("shij,shjk->shik", probs, grid(v_THK))
-    return o_SHLK.transpose(1, 2)[seq_T, pos_T].to(q_THK.dtype)
 
 
 def graph_attention(

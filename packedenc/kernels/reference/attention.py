@@ -1,0 +1,124 @@
+"""Plain-torch varlen attention: the reference every attention kernel is tested against, and the
+CPU's attention (`backend="auto"` runs the reference there).
+
+The spec: each packed sequence attends to itself only, within an optional FA window, softmax in
+fp32, one rounding to q's dtype. It is computed on a padded (S, H, L, L) grid by torch's
+`scaled_dot_product_attention` with a boolean mask (padded query rows see every key, so no row is
+all -inf: a NaN there would poison the gradients). On the CPU in eager mode the sequences are
+first ordered by length and run in groups padded to each group's longest, so a pack of many
+short texts and a few long ones does not pay L^2 for every sequence; under torch.compile and on
+other devices it is one grid (no host values: compile traces it, CUDA graphs capture it). With
+dropout the scores go through an explicit softmax, so that the mask comes from a generator
+seeded by `dropout_seed`, reproducibly.
+
+Shapes: T packed tokens, S sequences, L longest, H heads, K head dim, G sequences of one group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["varlen_attention"]
+
+# A group's grid holds at most this many (padded) rows, or one sequence when that is longer:
+# big enough for few SDPA calls, small enough that the grid (G, H, L, L) mask stays in cache.
+GROUP_ROWS = 4096
+
+
+def varlen_attention(
+    q_THK: Tensor,
+    k_THK: Tensor,
+    v_THK: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+) -> Tensor:
+    """Non-causal attention inside each packed sequence, with an optional FA-style window.
+
+    Arguments:
+        q_THK, k_THK, v_THK: (T, H, K) packed, no padding.
+        cu_seqlens: (S+1,) int32. max_seqlen: host int >= the longest sequence.
+        window: (left, right) like flash-attn: query i sees keys j with i - left <= j <= i + right,
+            -1 meaning unbounded. ModernBERT local layers use (64, 64).
+        scale: softmax scale, default K ** -0.5.
+        dropout_p, dropout_seed: dropout on the attention probabilities (training), with a mask
+            drawn from a generator seeded by `dropout_seed` (reference backend only).
+    Return:
+        (T, H, K) in q's dtype. fp32 softmax; tokens never see another sequence.
+    """
+    scale = q_THK.shape[-1] ** -0.5 if scale is None else scale
+    dropout = dropout_p > 0.0 and dropout_seed is not None
+    if not dropout and q_THK.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _grouped(q_THK, k_THK, v_THK, cu_seqlens, window, scale)
+    return _grid(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window, scale, dropout_p if dropout else 0.0,
+                 dropout_seed)
+
+
+def _grid(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, L: int, window: tuple[int, int],
+          scale: float, dropout_p: float = 0.0, dropout_seed: int | None = None) -> Tensor:
+    """Every sequence on one padded (S, H, L, L) grid."""
+    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+
+    T, H, K = q_THK.shape
+    S = cu_seqlens.numel() - 1
+    seq_T = segment_ids(cu_seqlens, T)
+    pos_T = positions_from_cu_seqlens(cu_seqlens, T)
+
+    def grid(x_THK: Tensor) -> Tensor:  # (T, H, K) -> (S, H, L, K) fp32, zeros at pads
+        g = x_THK.new_zeros((S, L, H, K), dtype=torch.float32)
+        return g.index_put((seq_T, pos_T), x_THK.float()).transpose(1, 2)
+
+    lengths_S = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    i = torch.arange(L, device=q_THK.device)
+    keep_LL = torch.ones(L, L, dtype=torch.bool, device=q_THK.device)
+    left, right = window
+    if left >= 0:
+        keep_LL &= i[None, :] >= i[:, None] - left
+    if right >= 0:
+        keep_LL &= i[None, :] <= i[:, None] + right
+    key_ok_SL = i[None, :] < lengths_S[:, None]
+    mask_S1LL = ((keep_LL[None] & key_ok_SL[:, None, :]) | ~key_ok_SL[:, :, None])[:, None]
+    q_SHLK, k_SHLK, v_SHLK = grid(q_THK), grid(k_THK), grid(v_THK)
+    if dropout_p > 0.0:
+        scores = torch.einsum("shik,shjk->shij", q_SHLK, k_SHLK) * scale
+        probs = torch.softmax(scores.masked_fill(~mask_S1LL, float("-inf")), dim=-1)
+        g = torch.Generator(device=probs.device)
+        g.manual_seed(dropout_seed)
+        keep = torch.rand(probs.shape, generator=g, device=probs.device) >= dropout_p
+        o_SHLK = torch.einsum("shij,shjk->shik", probs * keep / (1.0 - dropout_p), v_SHLK)
+    else:
+        o_SHLK = F.scaled_dot_product_attention(q_SHLK, k_SHLK, v_SHLK, attn_mask=mask_S1LL, scale=scale)
+    return o_SHLK.transpose(1, 2)[seq_T, pos_T].to(q_THK.dtype)
+
+
+def _grouped(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, window: tuple[int, int],
+             scale: float) -> Tensor:
+    """`_grid` over groups of sequences of similar length (CPU: the lengths are host values)."""
+    cu = cu_seqlens.tolist()
+    S = len(cu) - 1
+    lengths = [cu[s + 1] - cu[s] for s in range(S)]
+    order = sorted(range(S), key=lambda s: -lengths[s])  # longest first: a group's first is its L
+    if order == list(range(S)):  # already in that order (embed's batches): no gather
+        perm_T = None
+    else:
+        perm_T = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in order]) if S else torch.zeros(0, dtype=torch.long)
+        q_THK, k_THK, v_THK = q_THK[perm_T], k_THK[perm_T], v_THK[perm_T]
+    outs, a, row = [], 0, 0  # built by cat, not written in place: torch.func transforms trace it too
+    while a < S:
+        L = lengths[order[a]]
+        z = a + 1
+        while z < S and (z + 1 - a) * L <= max(GROUP_ROWS, L):
+            z += 1
+        n = sum(lengths[order[s]] for s in range(a, z))
+        if L > 0:
+            cu_G1 = torch.tensor([0] + [lengths[order[s]] for s in range(a, z)], dtype=torch.int64).cumsum(0)
+            rows = slice(row, row + n)
+            outs.append(_grid(q_THK[rows], k_THK[rows], v_THK[rows], cu_G1, L, window, scale))
+        a, row = z, row + n
+    out_THK = torch.cat(outs) if outs else q_THK.new_empty(q_THK.shape)
+    return out_THK if perm_T is None else out_THK[torch.argsort(perm_T)]
