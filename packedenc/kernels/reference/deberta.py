@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from packedenc.kernels.reference.attention import by_length, grouping
+
 __all__ = ["log_bucket_position", "relative_positions", "deberta_attention", "varlen_conv1d",
            "deberta_attention_lse", "deberta_attention_bwd"]
 
@@ -104,14 +106,30 @@ def deberta_attention(
     Return:
         (T, H, K) in q's dtype. fp32 scores and softmax.
 
-    The reference uses a padded (S, H, L, L) grid and HF's bmm + gather over (S, H, L, R) tables;
+    The reference uses a padded (S, H, L, L) grid and HF's bmm + gather over (S, H, L, R) tables
+    (on the CPU in eager mode, one per group of sequences of similar length: `attention.by_length`);
     a kernel implements the same contract without either.
     """
-    from packedenc.packing import check_seq_order, positions_from_cu_seqlens, segment_ids
+    from packedenc.packing import check_seq_order
 
     check_seq_order(seq_order, cu_seqlens)
     c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
     assert (pos_key_RHK is not None) == c2p and (pos_query_RHK is not None) == p2c, pos_att_type
+    args = (pos_key_RHK, pos_query_RHK, pos_att_type, position_buckets, max_relative_positions, scale)
+    if not (dropout_p > 0.0 and dropout_seed is not None) and grouping(cu_seqlens):  # CPU: pad per group
+        return by_length(lambda q, k, v, cu, L: _grid_attention(q, k, v, cu, L, *args), q_THK, k_THK, v_THK,
+                         cu_seqlens)
+    return _grid_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, *args, dropout_p, dropout_seed)
+
+
+def _grid_attention(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                    pos_key_RHK: Tensor | None, pos_query_RHK: Tensor | None, pos_att_type: tuple[str, ...],
+                    position_buckets: int, max_relative_positions: int, scale: float, dropout_p: float = 0.0,
+                    dropout_seed: int | None = None) -> Tensor:
+    """`deberta_attention` on one padded (S, H, L, L) grid."""
+    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+
+    c2p, p2c = "c2p" in pos_att_type, "p2c" in pos_att_type
     T, H, K = q_THK.shape
     S, L = cu_seqlens.numel() - 1, max_seqlen
     seq_T = segment_ids(cu_seqlens, T)
