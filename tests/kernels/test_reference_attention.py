@@ -77,3 +77,21 @@ def test_seeded_dropout_is_reproducible_and_scales():
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(a, c)
     torch.testing.assert_close(A.varlen_attention(q, k, v, cu, 7, dropout_p=0.5), A.varlen_attention(q, k, v, cu, 7))
+
+
+@pytest.mark.parametrize("buckets", [-1, 8])
+def test_deberta_groups_match_one_grid(buckets):
+    """DeBERTa's disentangled attention per length group (CPU) equals it on one padded grid."""
+    from packedenc.kernels.reference import deberta as D
+
+    lengths = [5, 0, 40, 1, 3, 9, 33, 2, 700]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T, H, K, span = int(cu[-1]), 2, 8, 16
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(T, H, K, generator=g) for _ in range(3))
+    R = 2 * (buckets if buckets > 0 else span)  # the tables' rows: 2 x att_span
+    pk, pq = (torch.randn(R, H, K, generator=g) for _ in range(2))
+    kw = dict(pos_att_type=("c2p", "p2c"), position_buckets=buckets, max_relative_positions=span, scale=0.2)
+    got = D.deberta_attention(q, k, v, cu, max(lengths), pk, pq, **kw)
+    want = D._grid_attention(q, k, v, cu, max(lengths), pk, pq, kw["pos_att_type"], buckets, span, 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
