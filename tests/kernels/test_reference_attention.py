@@ -95,3 +95,28 @@ def test_deberta_groups_match_one_grid(buckets):
     got = D.deberta_attention(q, k, v, cu, max(lengths), pk, pq, **kw)
     want = D._grid_attention(q, k, v, cu, max(lengths), pk, pq, kw["pos_att_type"], buckets, span, 0.2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", ["full", "anchor"])
+def test_graph_attention_groups_match_one_grid(layer):
+    """The graph transformer's attention per key-length group (CPU) equals one grid, gradients too:
+    full layers (a fused qkv buffer) and the anchor-only layer (one query per sequence)."""
+    lengths = [5, 1, 40, 3, 700, 9, 33, 2, 17]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T, H, K = int(cu[-1]), 2, 8
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    if layer == "full":
+        qkv = torch.randn(T, 3, H, K, generator=g, dtype=torch.float64, requires_grad=True)
+        leaves, args, cu_q, Lq = (qkv, bias), (qkv, None, None), cu, max(lengths)
+    else:
+        q = torch.randn(len(lengths), H, K, generator=g, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(T, H, K, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        leaves, args, cu_q, Lq = (q, k, v, bias), (q, k, v), torch.arange(len(lengths) + 1, dtype=torch.int32), 1
+    got = A.graph_attention(*args, cu_q, cu, Lq, max(lengths), bias, 0.3)
+    parts = args if layer == "anchor" else args[0].unbind(1)
+    want = A._graph_grid(*parts, cu_q, cu, Lq, max(lengths), bias, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
-"""Plain-torch varlen attention: the reference every attention kernel is tested against, and the
-CPU's attention (`backend="auto"` runs the reference there).
+"""Plain-torch varlen attention and the graph transformer's attention: the references every
+attention kernel is tested against, and the CPU's attention (`backend="auto"` runs the reference
+there). DeBERTa's disentangled attention is in `deberta.py` and groups with `by_length` too.
 
 The spec: each packed sequence attends to itself only, within an optional FA window, softmax in
 fp32, one rounding to q's dtype. It is computed on a padded (S, H, L, L) grid by torch's
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["varlen_attention", "by_length", "grouping"]
+__all__ = ["varlen_attention", "graph_attention", "by_length", "grouping"]
 
 # A group holds sequences no shorter than half its longest, at most this many padded rows (or one
 # sequence when that is longer). Measured on the CPU (2 cores): 512 rows ran DeBERTa-v3-base on 64
@@ -139,3 +140,108 @@ def by_length(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor], q_THK
         a, row = z, row + n
     out_THK = torch.cat(outs) if outs else q_THK.new_empty(q_THK.shape)
     return out_THK if perm_T is None else out_THK[torch.argsort(perm_T)]
+
+
+def graph_attention(
+    q_QHK: Tensor,
+    k_THK: Tensor | None,
+    v_THK: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    key_bias_TH: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Non-causal packed attention with separate query / key boundaries and a per-key head bias.
+
+    What the graph transformer needs beyond `varlen_attention`: in the anchor-only last layer
+    only the first token of each sequence is a query (`cu_seqlens_q = arange(S + 1)`, keys over
+    the whole sequence), and GiGL's anchor-relative attention bias adds the same scalar
+    `key_bias[k, h]` to the score of key k for every query of head h.
+
+    Arguments:
+        q_QHK: (Q, H, K) packed queries; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1].
+            Or, with k_THK = v_THK = None, the fused (T, 3, H, K) q / k / v buffer of a full layer
+            (cu_seqlens_q = cu_seqlens_k), which lets kernels keep its gradient one tensor.
+        k_THK, v_THK: (T, H, K) packed keys / values; sequence s owns cu_seqlens_k[s]:cu_seqlens_k[s+1].
+        cu_seqlens_q, cu_seqlens_k: (S+1,) int32, same S. Every sequence needs at least one key.
+        max_seqlen_q, max_seqlen_k: host ints >= the longest query / key run.
+        key_bias_TH: (T, H) additive score bias per key and head, or None.
+        scale: softmax scale, default K ** -0.5 (SDPA's default, which GiGL uses).
+    Return:
+        (Q, H, K) in q's dtype; fp32 scores and softmax, one rounding.
+
+    Scatters into padded (S, H, Lq, Lk) grids (on the CPU in eager mode one per group of
+    sequences of similar key length, as `varlen_attention`).
+    """
+    if k_THK is None and v_THK is None:
+        q_QHK, k_THK, v_THK = q_QHK.unbind(1)
+    scale = q_QHK.shape[-1] ** -0.5 if scale is None else scale
+    if grouping(cu_seqlens_k):
+        return _graph_by_length(q_QHK, k_THK, v_THK, cu_seqlens_q, cu_seqlens_k, key_bias_TH, scale)
+    return _graph_grid(q_QHK, k_THK, v_THK, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_bias_TH,
+                       scale)
+
+
+def _graph_grid(q_QHK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, key_bias_TH: Tensor | None, scale: float) -> Tensor:
+    """`graph_attention` on one padded (S, H, Lq, Lk) grid."""
+    from packedenc.packing import positions_from_cu_seqlens, segment_ids
+
+    Q, H, K = q_QHK.shape
+    T = k_THK.shape[0]
+    S = cu_seqlens_q.numel() - 1
+    sq, pq = segment_ids(cu_seqlens_q, Q), positions_from_cu_seqlens(cu_seqlens_q, Q)
+    sk, pk = segment_ids(cu_seqlens_k, T), positions_from_cu_seqlens(cu_seqlens_k, T)
+
+    def grid(x: Tensor, seg: Tensor, pos: Tensor, L: int) -> Tensor:  # (N, H, ...) -> (S, H, L, ...)
+        g = x.new_zeros((S, L, *x.shape[1:]), dtype=torch.float32)
+        return g.index_put((seg, pos), x.float()).transpose(1, 2)
+
+    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    key_ok_SL = torch.arange(max_seqlen_k, device=q_QHK.device)[None, :] < lengths_k[:, None]
+    scores = torch.einsum(
+        "shik,shjk->shij", grid(q_QHK, sq, pq, max_seqlen_q), grid(k_THK, sk, pk, max_seqlen_k)
+    ) * scale
+    if key_bias_TH is not None:
+        scores = scores + grid(key_bias_TH, sk, pk, max_seqlen_k)[:, :, None, :]
+    # Only keys are masked: padded query rows then see real keys (never an all -inf row, whose
+    # NaN would leak into the gradients) and are dropped by the final gather.
+    scores = scores.masked_fill(~key_ok_SL[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o_SHLK = torch.einsum("shij,shjk->shik", probs, grid(v_THK, sk, pk, max_seqlen_k))
+    return o_SHLK.transpose(1, 2)[sq, pq].to(q_QHK.dtype)
+
+
+def _graph_by_length(q_QHK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     key_bias_TH: Tensor | None, scale: float) -> Tensor:
+    """`_graph_grid` per group of sequences of similar key length (`by_length` with two boundaries)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    S = len(ck) - 1
+    lq = [cq[s + 1] - cq[s] for s in range(S)]
+    lk = [ck[s + 1] - ck[s] for s in range(S)]
+    order = sorted(range(S), key=lambda s: -lk[s])
+    perm_q = None
+    if order != list(range(S)):
+        perm_q = torch.cat([torch.arange(cq[s], cq[s + 1]) for s in order])
+        perm_k = torch.cat([torch.arange(ck[s], ck[s + 1]) for s in order])
+        q_QHK, k_THK, v_THK = q_QHK[perm_q], k_THK[perm_k], v_THK[perm_k]
+        key_bias_TH = None if key_bias_TH is None else key_bias_TH[perm_k]
+    outs, a, rq, rk = [], 0, 0, 0
+    while a < S:
+        L = lk[order[a]]
+        z = a + 1
+        while z < S and (z + 1 - a) * L <= max(GROUP_ROWS, L) and 2 * lk[order[z]] >= L:
+            z += 1
+        group = [order[s] for s in range(a, z)]
+        nq, nk = sum(lq[s] for s in group), sum(lk[s] for s in group)
+        if nq > 0:
+            cu_q = torch.tensor([0] + [lq[s] for s in group]).cumsum(0).to(torch.int32)
+            cu_k = torch.tensor([0] + [lk[s] for s in group]).cumsum(0).to(torch.int32)
+            bias = None if key_bias_TH is None else key_bias_TH[rk:rk + nk]
+            outs.append(_graph_grid(q_QHK[rq:rq + nq], k_THK[rk:rk + nk], v_THK[rk:rk + nk], cu_q, cu_k,
+                                    max(lq[s] for s in group), L, bias, scale))
+        a, rq, rk = z, rq + nq, rk + nk
+    out = torch.cat(outs) if outs else q_QHK.new_empty(q_QHK.shape)
+    return out if perm_q is None else out[torch.argsort(perm_q)]

@@ -17,7 +17,7 @@ from torch import Tensor
 from packedenc.errors import ConfigError, InputError
 # varlen attention and DeBERTa's ops live in their own files; they are part of this module's
 # namespace (the Ops table)
-from packedenc.kernels.reference.attention import varlen_attention
+from packedenc.kernels.reference.attention import graph_attention, varlen_attention
 from packedenc.kernels.reference.deberta import (
     deberta_attention, log_bucket_position, relative_positions, varlen_conv1d,
 )
@@ -219,68 +219,6 @@ def rotary(
     if with_v:
         return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1]), qkv_T3HK[:, 2]
     return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1])
-
-
-def graph_attention(
-    q_QHK: Tensor,
-    k_THK: Tensor | None,
-    v_THK: Tensor | None,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    key_bias_TH: Tensor | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """Non-causal packed attention with separate query / key boundaries and a per-key head bias.
-
-    What the graph transformer needs beyond `varlen_attention`: in the anchor-only last layer
-    only the first token of each sequence is a query (`cu_seqlens_q = arange(S + 1)`, keys over
-    the whole sequence), and GiGL's anchor-relative attention bias adds the same scalar
-    `key_bias[k, h]` to the score of key k for every query of head h.
-
-    Arguments:
-        q_QHK: (Q, H, K) packed queries; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s+1].
-            Or, with k_THK = v_THK = None, the fused (T, 3, H, K) q / k / v buffer of a full layer
-            (cu_seqlens_q = cu_seqlens_k), which lets kernels keep its gradient one tensor.
-        k_THK, v_THK: (T, H, K) packed keys / values; sequence s owns cu_seqlens_k[s]:cu_seqlens_k[s+1].
-        cu_seqlens_q, cu_seqlens_k: (S+1,) int32, same S. Every sequence needs at least one key.
-        max_seqlen_q, max_seqlen_k: host ints >= the longest query / key run.
-        key_bias_TH: (T, H) additive score bias per key and head, or None.
-        scale: softmax scale, default K ** -0.5 (SDPA's default, which GiGL uses).
-    Return:
-        (Q, H, K) in q's dtype; fp32 scores and softmax, one rounding.
-
-    Scatters into padded (S, H, Lq, Lk) grids: O(S * Lq * Lk) memory, fine for tests and CPU use.
-    """
-    from packedenc.packing import positions_from_cu_seqlens, segment_ids
-
-    if k_THK is None and v_THK is None:
-        q_QHK, k_THK, v_THK = q_QHK.unbind(1)
-    Q, H, K = q_QHK.shape
-    T = k_THK.shape[0]
-    S = cu_seqlens_q.numel() - 1
-    scale = K**-0.5 if scale is None else scale
-    sq, pq = segment_ids(cu_seqlens_q, Q), positions_from_cu_seqlens(cu_seqlens_q, Q)
-    sk, pk = segment_ids(cu_seqlens_k, T), positions_from_cu_seqlens(cu_seqlens_k, T)
-
-    def grid(x: Tensor, seg: Tensor, pos: Tensor, L: int) -> Tensor:  # (N, H, ...) -> (S, H, L, ...)
-        g = x.new_zeros((S, L, *x.shape[1:]), dtype=torch.float32)
-        return g.index_put((seg, pos), x.float()).transpose(1, 2)
-
-    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    key_ok_SL = torch.arange(max_seqlen_k, device=q_QHK.device)[None, :] < lengths_k[:, None]
-    scores = torch.einsum(
-        "shik,shjk->shij", grid(q_QHK, sq, pq, max_seqlen_q), grid(k_THK, sk, pk, max_seqlen_k)
-    ) * scale
-    if key_bias_TH is not None:
-        scores = scores + grid(key_bias_TH, sk, pk, max_seqlen_k)[:, :, None, :]
-    # Only keys are masked: padded query rows then see real keys (never an all -inf row, whose
-    # NaN would leak into the gradients) and are dropped by the final gather.
-    scores = scores.masked_fill(~key_ok_SL[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o_SHLK = torch.einsum("shij,shjk->shik", probs, grid(v_THK, sk, pk, max_seqlen_k))
-    return o_SHLK.transpose(1, 2)[sq, pq].to(q_QHK.dtype)
 
 
 def graph_readout(
