@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import common
+from benchmarks.records import replace_text
 
 H, K = 12, 64
 BF16 = torch.bfloat16
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"attention_{re.sub(r'[^a-z0-9]+', '-', re.sub(r'^nvidia ', '', gpu.lower())).strip('-')}.json"
-    path.write_text(json.dumps({"records": records, "sweep": sweeps, **meta}, indent=1) + "\n")
+    replace_text(path, json.dumps({"records": records, "sweep": sweeps, **meta}, indent=1) + "\n")
     print(f"\n## issue 20 (bf16, H={H}, K={K}); records in {path}\n{table(records)}")
     if sweeps:
         print("\n## fastest tile per pass (sweep)")

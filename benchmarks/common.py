@@ -137,8 +137,10 @@ def host_device_ms(calls: Sequence[Callable[[], Any]], device: torch.device) -> 
             "device_ms": statistics.median(dev) if dev else None, "host_syncs": syncs}
 
 
-def median_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
-    """Median CUDA-event time of one `fn()` call in ms, after `warmup` untimed calls."""
+def median_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 3, calls: int = 1) -> float:
+    """Median CUDA-event time in ms of one `fn()` call, after `warmup` untimed calls. With `calls`
+    > 1 a rep queues that many calls back to back and counts its time per call (the device's
+    time when the host runs ahead)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -146,10 +148,11 @@ def median_ms(fn: Callable[[], Any], reps: int = 10, warmup: int = 3) -> float:
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(calls):
+            fn()
         e.record()
         torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
+        ts.append(s.elapsed_time(e) / calls)
     return statistics.median(ts)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import attention as A
+from benchmarks import common
 
 BF16 = torch.bfloat16
 T64K, D, FM = 65536, 768, 1152
@@ -30,20 +31,7 @@ def stream_ms(fn: Callable[[], Any], calls: int = 40, reps: int = 5) -> float:
     """The time per call of `calls` calls queued back to back (median of `reps`): the GPU's time
     when the host runs ahead, as in a device-bound model. For kernels shorter than their launch
     cost it is the host's time instead; `time_ms` and this bound a call from both sides."""
-    import statistics
-
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / calls)
-    return statistics.median(out)
+    return common.median_ms(fn, reps=reps, warmup=1, calls=calls)
 
 
 def line(r: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import median_ms
-from benchmarks.records import git_commit, gpu_name
+from benchmarks.records import git_commit, gpu_name, replace_text
 
 T64K, D, FM = 65536, 768, 1152
 # The default; fewer stages; weight slabs multicast to 2 M tiles; narrow N tiles (90 registers a thread,
@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                                            f"ragged {r['err_ragged']:.2e}")
         print(f"{r['system']:18s} {tile:18s} {cells}  {r['status']} {check} {r.get('error', '')}")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(records, indent=1))
+        replace_text(a.out, json.dumps(records, indent=1))
         print(f"records: {a.out}")
     return 0
 

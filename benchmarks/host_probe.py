@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: the probe's figures need one (`--device cpu` under TRITON_INTERPRET=1 smoke-tests it)")
         return 2
-    from benchmarks.records import git_commit, gpu_name
+    from benchmarks.records import git_commit, gpu_name, replace_text
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -169,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             tail += f"  ({rec['host_us_per_layer']:.1f} us a layer)"
         print(f"{name:42s} {tail}", flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(records, indent=1))
+        replace_text(a.out, json.dumps(records, indent=1))
     return 0
 
 

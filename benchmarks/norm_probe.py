@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.records import git_commit, gpu_name
+from benchmarks.records import git_commit, gpu_name, replace_text
 
 D, EPS = 768, 1e-5
 FWD_TILES = ("1,1", "1,2", "1,4", "2,2", "2,4", "4,4", "4,8", "8,4", "8,8", "16,8", "16,16")
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     for (wl, T), r_ in sorted(best.items()):
         print(f"  {wl:15s} T={T:6d} {r_['system']:24s} {r_['ms'] * 1e3:7.1f} us")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(records, indent=1))
+        replace_text(a.out, json.dumps(records, indent=1))
     return 0
 
 

@@ -155,6 +155,19 @@ def load_records(path: Path) -> list[dict[str, Any]]:
     return data
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename: a crash
+    at any instant leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_records(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
     """Write `records` to `path`, replacing earlier records with the same key, keeping the rest."""
     path = Path(path)
@@ -167,9 +180,7 @@ def write_records(records: list[dict[str, Any]], path: Path) -> list[dict[str, A
         except (ValueError, json.JSONDecodeError) as e:
             print(f"note: {e}; overwriting it")
     merged = old + list(records)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a crash leaves the old file or the new one
-    tmp.write_text(json.dumps(merged, indent=1) + "\n")
-    os.replace(tmp, path)
+    replace_text(path, json.dumps(merged, indent=1) + "\n")
     if old:
         print(f"note: kept {len(old)} earlier record(s) in {path} for rows not rerun now")
     return merged

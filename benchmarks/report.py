@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from benchmarks import targets
 from benchmarks.records import (RESULTS_DIR, cell_text, gpu_slug, host_device_cell, load_records, ok, rate_cell,
-                                write_records)
+                                replace_text, write_records)
 
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
@@ -188,7 +188,7 @@ def write_between_markers(path: Path, text: str) -> None:
     if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
         raise ReportError(f"{path} needs one '{BEGIN}' line and, after it, one '{END}' line where the tables go")
     head, rest = doc.split(BEGIN)
-    Path(path).write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
+    replace_text(Path(path), head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
 
 
 # ---- charts ---------------------------------------------------------------------------------------
