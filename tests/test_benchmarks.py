@@ -215,3 +215,17 @@ def test_host_probe_runs_every_row_on_the_cpu(tmp_path):
     recs = json.loads(out.read_text())
     assert len(recs) >= 15 and all(r["status"] == "ok" and r["host_us"] > 0 for r in recs), recs
     assert {"triton-launch[24 args]", "ops.add_layer_norm+grad[auto]", "encode(1 layers)[auto]"} <= {r["system"] for r in recs}
+
+
+def test_replace_text_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    import os
+
+    target = tmp_path / "README.md"
+    target.write_text("old")
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        records.replace_text(target, "new")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+    monkeypatch.undo()
+    records.replace_text(target, "new")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
