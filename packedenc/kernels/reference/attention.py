@@ -118,28 +118,47 @@ def by_length(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor], q_THK
     each padded to its own longest L, the results put back in the input's order. Attention never
     crosses a sequence, so any grouping gives the same rows; this one bounds the padding."""
     cu = cu_seqlens.tolist()
-    S = len(cu) - 1
-    lengths = [cu[s + 1] - cu[s] for s in range(S)]
-    order = sorted(range(S), key=lambda s: -lengths[s])  # longest first: a group's first is its L
-    if order == list(range(S)):  # already in that order (embed's batches): no gather
-        perm_T = None
-    else:
-        perm_T = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in order])
+    lengths = [cu[s + 1] - cu[s] for s in range(len(cu) - 1)]
+    order, groups = _length_groups(lengths)
+    perm_T = _rows_in(cu, order)
+    if perm_T is not None:
         q_THK, k_THK, v_THK = q_THK[perm_T], k_THK[perm_T], v_THK[perm_T]
-    outs, a, row = [], 0, 0  # built by cat, not written in place: torch.func transforms trace it too
-    while a < S:
-        L = lengths[order[a]]
-        z = a + 1
-        while z < S and (z + 1 - a) * L <= max(GROUP_ROWS, L) and 2 * lengths[order[z]] >= L:
-            z += 1
-        n = sum(lengths[order[s]] for s in range(a, z))
-        if L > 0:
-            cu_G1 = torch.tensor([0] + [lengths[order[s]] for s in range(a, z)], dtype=torch.int64).cumsum(0)
+    outs, row = [], 0  # built by cat, not written in place: torch.func transforms trace it too
+    for group in groups:
+        n = sum(lengths[s] for s in group)
+        if lengths[group[0]] > 0:
             rows = slice(row, row + n)
-            outs.append(fn(q_THK[rows], k_THK[rows], v_THK[rows], cu_G1.to(torch.int32), L))
-        a, row = z, row + n
+            outs.append(fn(q_THK[rows], k_THK[rows], v_THK[rows], _cu(lengths, group), lengths[group[0]]))
+        row += n
     out_THK = torch.cat(outs) if outs else q_THK.new_empty(q_THK.shape)
     return out_THK if perm_T is None else out_THK[torch.argsort(perm_T)]
+
+
+def _length_groups(lengths: list[int]) -> tuple[list[int], list[list[int]]]:
+    """(the sequences longest first, and that order cut into groups): a group holds sequences no
+    shorter than half its first (its longest) and at most GROUP_ROWS padded rows, or one sequence."""
+    S = len(lengths)
+    order = sorted(range(S), key=lambda s: -lengths[s])
+    groups, a = [], 0
+    while a < S:
+        L, z = lengths[order[a]], a + 1
+        while z < S and (z + 1 - a) * L <= max(GROUP_ROWS, L) and 2 * lengths[order[z]] >= L:
+            z += 1
+        groups.append(order[a:z])
+        a = z
+    return order, groups
+
+
+def _rows_in(cu: list[int], order: list[int]) -> Tensor | None:
+    """The packed rows of the sequences in `order`, or None when that is the packed order already."""
+    if order == list(range(len(order))):
+        return None
+    return torch.cat([torch.arange(cu[s], cu[s + 1]) for s in order])
+
+
+def _cu(lengths: list[int], group: list[int]) -> Tensor:
+    """(len(group) + 1,) int32 boundaries of the group's sequences, back to back from 0."""
+    return torch.tensor([0] + [lengths[s] for s in group], dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
 def graph_attention(
@@ -221,27 +240,19 @@ def _graph_by_length(q_QHK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens_q: 
     S = len(ck) - 1
     lq = [cq[s + 1] - cq[s] for s in range(S)]
     lk = [ck[s + 1] - ck[s] for s in range(S)]
-    order = sorted(range(S), key=lambda s: -lk[s])
-    perm_q = None
-    if order != list(range(S)):
-        perm_q = torch.cat([torch.arange(cq[s], cq[s + 1]) for s in order])
-        perm_k = torch.cat([torch.arange(ck[s], ck[s + 1]) for s in order])
+    order, groups = _length_groups(lk)
+    perm_q = _rows_in(cq, order)
+    if perm_q is not None:
+        perm_k = _rows_in(ck, order)
         q_QHK, k_THK, v_THK = q_QHK[perm_q], k_THK[perm_k], v_THK[perm_k]
         key_bias_TH = None if key_bias_TH is None else key_bias_TH[perm_k]
-    outs, a, rq, rk = [], 0, 0, 0
-    while a < S:
-        L = lk[order[a]]
-        z = a + 1
-        while z < S and (z + 1 - a) * L <= max(GROUP_ROWS, L) and 2 * lk[order[z]] >= L:
-            z += 1
-        group = [order[s] for s in range(a, z)]
+    outs, rq, rk = [], 0, 0
+    for group in groups:
         nq, nk = sum(lq[s] for s in group), sum(lk[s] for s in group)
         if nq > 0:
-            cu_q = torch.tensor([0] + [lq[s] for s in group]).cumsum(0).to(torch.int32)
-            cu_k = torch.tensor([0] + [lk[s] for s in group]).cumsum(0).to(torch.int32)
             bias = None if key_bias_TH is None else key_bias_TH[rk:rk + nk]
-            outs.append(_graph_grid(q_QHK[rq:rq + nq], k_THK[rk:rk + nk], v_THK[rk:rk + nk], cu_q, cu_k,
-                                    max(lq[s] for s in group), L, bias, scale))
-        a, rq, rk = z, rq + nq, rk + nk
+            outs.append(_graph_grid(q_QHK[rq:rq + nq], k_THK[rk:rk + nk], v_THK[rk:rk + nk], _cu(lq, group),
+                                    _cu(lk, group), max(lq[s] for s in group), lk[group[0]], bias, scale))
+        rq, rk = rq + nq, rk + nk
     out = torch.cat(outs) if outs else q_QHK.new_empty(q_QHK.shape)
     return out if perm_q is None else out[torch.argsort(perm_q)]
