@@ -9,7 +9,9 @@ finish before the next call is made, so the time per call is the host's): `host_
 over rounds of (perf_counter around `calls` back-to-back calls) / calls, with no sync inside a
 round. Rows:
 - `triton-launch[n args]`: a Triton kernel that does nothing, called with 3 / 12 / 24 arguments:
-  the cost of `JITFunction.run` alone (binding, specialisation key, launch);
+  the cost of `JITFunction.run` alone (binding, specialisation key, launch); `triton-compiled[n
+  args]` the compiled kernel's own launcher, `packedenc-launch[n args]` `kernels.triton._common.launch`
+  (what every packedenc kernel goes through);
 - `torch.*`: one plain torch op of the same kind (its dispatcher cost, the yardstick);
 - `ops.<op>[<backend>]`: each Ops-table entry of a ModernBERT layer as `encode` calls it, no grad;
   `...+grad`: the same with inputs that require grad (the eager autograd path; forward only);
@@ -73,6 +75,8 @@ def _triton_rows(dev: torch.device) -> dict[str, Callable[[], Any]]:
 
     x = torch.empty(1024, device=dev)
     t, n = [x] * 12, [1024] * 12
+    from packedenc.kernels.triton._common import launch
+
     rows = {
         "triton-launch[3 args]": lambda: nop3[(1,)](x, x, 1024, BLOCK=16),
         "triton-launch[12 args]": lambda: nop12[(1,)](*t[:6], *n[:6], BLOCK=16),
@@ -83,6 +87,8 @@ def _triton_rows(dev: torch.device) -> dict[str, Callable[[], Any]]:
         rows |= {
             "triton-compiled[3 args]": lambda: c3[(1, 1, 1)](x, x, 1024, 16),
             "triton-compiled[24 args]": lambda: c24[(1, 1, 1)](*t, *n, 16),
+            "packedenc-launch[3 args]": lambda: launch(nop3, (1,), x, x, 1024, BLOCK=16),
+            "packedenc-launch[24 args]": lambda: launch(nop24, (1,), *t, *n, BLOCK=16),
         }
     return rows
 
@@ -105,6 +111,7 @@ def _op_rows(dev: torch.device, backend: str, dtype: torch.dtype) -> dict[str, C
         "ops.add_layer_norm" + name: lambda: ops.add_layer_norm(x, res, w, None, EPS),
         "ops.linear(Wqkv)" + name: lambda: ops.linear(x, wqkv, None),
         "ops.rotary" + name: lambda: ops.rotary(qkv, pos, 160000.0, with_v=True),
+        "ops.rotary(overwrite)" + name: lambda: ops.rotary(qkv, pos, 160000.0, with_v=True, overwrite_input=True),
         "ops.varlen_attention" + name: lambda: ops.varlen_attention(q, k, v, cu, 30),
         "ops.varlen_attention(window)" + name: lambda: ops.varlen_attention(q, k, v, cu, 30, window=(64, 64)),
         "ops.glu" + name: lambda: ops.glu(u, "gelu"),
@@ -139,7 +146,11 @@ def _model_rows(dev: torch.device, dtype: torch.dtype, backend: str, layers: int
     b = pe.pack([list(range(5, 5 + n)) for n in (20, 30, T - 50)], device=dev)
     g = torch.Generator().manual_seed(0)
     query = pe.pack([list(range(5, 5 + int(n))) for n in torch.randint(12, 37, (128,), generator=g)], device=dev)
+    one = pe.tree_to(pe.init(modernbert.ModernBertConfig(num_hidden_layers=1), torch.Generator().manual_seed(0),
+                             dtype=dtype), dev)
     return {
+        f"encode(1 layer)[{backend}]": (
+            lambda: pe.encode(one, b.ids, b.cu_seqlens, b.max_seqlen, b.positions, backend=backend), 1),
         f"encode({layers} layers)[{backend}]": (
             lambda: pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, b.positions, backend=backend), layers),
         f"encode(query 128 seqs, {layers} layers)[{backend}]": (

@@ -8,6 +8,7 @@ so the first call inside CUDA-graph capture or under the interpreter behaves lik
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import torch
@@ -41,7 +42,7 @@ def rows(x: Tensor) -> Tensor:
     Gradients from `.sum().backward()` arrive as stride-0 expanded tensors: they must be
     materialised, or the kernel would read the wrong elements.
     """
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # reshape is a dispatcher call: skip it
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < x2.shape[1]):
         x2 = x2.contiguous()
     return x2
@@ -111,3 +112,80 @@ def launch_or_op(launcher: Callable, op: Callable, *args: Any) -> Any:
     inside `eager_autograd`'s backward), else the registered backward op (compile, CPU)."""
     tensors = [a for a in args if isinstance(a, Tensor)]
     return launcher(*args) if direct_launch(*tensors) else op(*args)
+
+
+# ---- launches ------------------------------------------------------------------------------------
+
+_INT32 = (-(1 << 31), 1 << 31)
+_DIRECT: dict[tuple, tuple] = {}  # (kernel, meta, argument key, device) -> (compiled kernel, constexpr tail)
+
+
+def _arg_key(args: tuple) -> tuple:
+    """What Triton specialises a compiled kernel on, per positional argument, or finer: a tensor's
+    dtype and 16-byte alignment; an int's == 1, multiple of 16 and width; a float's type only."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            key.append((a == 1, not a & 15, _INT32[0] <= a < _INT32[1]))
+        elif t is float:
+            key.append(float)
+        elif isinstance(a, Tensor):
+            key.append((a.dtype, not a.data_ptr() & 15))
+        else:  # None, bools, strings: part of the kernel's identity
+            key.append((t, a))
+    return tuple(key)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """`kernel[grid](*args, **meta)` at a fraction of its host time.
+
+    Non-constexpr arguments go positionally, constexprs and launch options (num_warps, ...) by
+    keyword. The first call with a given specialisation goes through Triton's JIT (compiling or
+    finding the kernel); later calls launch that compiled kernel directly, skipping the JIT's
+    binding and key strings: 12-20 us of host time a launch on the H200 machine's host
+    (benchmarks/results/host_probe_h200.json), which decides short eager batches. The cache key
+    (`_arg_key`) distinguishes at least what Triton's does, so the kernel launched is the one the
+    JIT would pick. The interpreter, and any launch with a Triton launch hook set (profilers),
+    take the JIT every time.
+    """
+    if _INTERPRET:
+        kernel[grid](*args, **meta)
+        return
+    from triton import knobs
+
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        kernel[grid](*args, **meta)
+        return
+    device = _driver().get_current_device()
+    key = (kernel, tuple(meta.items()), _arg_key(args), device)
+    hit = _DIRECT.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        names = kernel.arg_names[len(args):]
+        defaults = {p.name: p.default for p in kernel.params}
+        tail = tuple(meta[n] if n in meta else defaults[n] for n in names)
+        if len(_DIRECT) > 4096:  # a run with many shapes' alignments: start over rather than grow
+            _DIRECT.clear()
+        _DIRECT[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, _driver().get_current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *tail)
+
+
+def _hooked(hook: Any) -> bool:
+    """A launch hook is set: a callable, or one of Triton's (always present) hook chains with calls."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> Any:
+    from triton.runtime import driver
+
+    return driver.active

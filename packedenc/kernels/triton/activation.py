@@ -28,7 +28,7 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import (
-    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, next_pow2, rows,
+    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch, launch_or_op, next_pow2, rows,
 )
 from packedenc.kernels.triton.glu import _act, _code
 
@@ -152,7 +152,7 @@ def bias_activation_fwd(x: Tensor, bias: Tensor, act: str, in_place: bool = Fals
     T, F = x2.shape
     if x2.numel():
         BLOCK_T, BLOCK_F = tile or _bias_tile(F)
-        _bias_act_fwd_kernel[(cdiv(T, BLOCK_T), cdiv(F, BLOCK_F))](
+        launch(_bias_act_fwd_kernel, (cdiv(T, BLOCK_T), cdiv(F, BLOCK_F)),
             x2, bias.contiguous(), y2, T, F, x2.stride(0), y2.stride(0),
             ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=_NUM_WARPS)
     return y2.view(x.shape)
@@ -177,7 +177,7 @@ def bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str, tile: tup
     # every program writes its partial row, so no fill is needed (zeros when there is no launch)
     part = (torch.empty if T and F else torch.zeros)((P, F), dtype=torch.float32, device=x.device)
     if T and F:
-        _bias_act_bwd_kernel[(P, cdiv(F, BLOCK_F))](
+        launch(_bias_act_bwd_kernel, (P, cdiv(F, BLOCK_F)),
             dy2, x2, bias.contiguous(), dx, part, T, F, tiles_per_prog,
             dy2.stride(0), x2.stride(0), dx.stride(0),
             ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=_NUM_WARPS)
@@ -190,7 +190,7 @@ def _fwd(x: Tensor, code: int, block: int = BLOCK, in_place: bool = False) -> Te
     y = xc if in_place and xc.data_ptr() == x.data_ptr() else torch.empty_like(xc)
     n = xc.numel()
     if n:
-        _act_fwd_kernel[(cdiv(n, block),)](xc, y, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
+        launch(_act_fwd_kernel, (cdiv(n, block),), xc, y, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
     return y
 
 
@@ -213,7 +213,7 @@ def activation_bwd(dy: Tensor, x: Tensor, act: str, block: int = BLOCK) -> Tenso
     dx = torch.empty_like(xc)
     n = xc.numel()
     if n:
-        _act_bwd_kernel[(cdiv(n, block),)](dyc, xc, dx, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
+        launch(_act_bwd_kernel, (cdiv(n, block),), dyc, xc, dx, n, ACT=code, BLOCK=block, num_warps=_NUM_WARPS)
     return dx
 
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import cdiv, next_pow2
+from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 
 __all__ = ["attention_fwd", "tiles", "bwd_tiles", "LOG2E", "MAX_HEAD_DIM"]
 
@@ -209,13 +209,19 @@ def bwd_tiles(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int):
 # ---- launcher ------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)  # host time: one dict per (head dim, window sides, dtype), not per launch
+def _meta(Kd: int, window_l: bool, window_r: bool, fp32: bool) -> dict:
+    return dict(HEAD_DIM=Kd, BLOCK_K=max(16, next_pow2(Kd)), WINDOW_L=window_l, WINDOW_R=window_r,
+                PREC="ieee" if fp32 else "tf32")
+
+
 def launch_args(q: Tensor, cu_seqlens: Tensor, window: tuple[int, int], scale: float):
-    """(S, n_steps, left, right, qk_scale, constexprs) shared by the three kernels' launches."""
+    """(S, n_steps, left, right, qk_scale, constexprs) shared by the three kernels' launches.
+    The constexpr dict is shared between calls: read it, never change it."""
     T, _, Kd = q.shape
-    S = cu_seqlens.numel() - 1
+    S = cu_seqlens.shape[0] - 1
     left, right = int(window[0]), int(window[1])
-    meta = dict(HEAD_DIM=Kd, BLOCK_K=max(16, next_pow2(Kd)), WINDOW_L=left >= 0, WINDOW_R=right >= 0,
-                PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    meta = _meta(Kd, left >= 0, right >= 0, q.dtype == torch.float32)
     # windows are clamped to T: no int32 overflow in row +- window
     return S, max(1, (S - 1).bit_length()), min(max(left, 0), T), min(max(right, 0), T), scale * LOG2E, meta
 
@@ -241,7 +247,7 @@ def attention_fwd(
             lse2.zero_()
         return o.zero_(), lse2
     BM, BN, warps, stages = tile or tiles(T, max_seqlen, window, Kd)
-    _fwd_kernel[(cdiv(T, BM), H)](
+    launch(_fwd_kernel, (cdiv(T, BM), H),
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1),

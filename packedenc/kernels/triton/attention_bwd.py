@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import cdiv
+from packedenc.kernels.triton._common import cdiv, launch
 from packedenc.kernels.triton.attention import _spans, bwd_tiles, launch_args
 
 __all__ = ["attention_bwd"]
@@ -206,13 +206,13 @@ def attention_bwd(
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, scale)
-    _dq_kernel[(cdiv(T, qm), H)](
+    launch(_dq_kernel, (cdiv(T, qm), H),
         q_THK, k_THK, v_THK, o_THK, do, lse2_HT, delta, dq, *common,
         q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
         o_THK.stride(0), o_THK.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **meta,
     )
-    _dkdv_kernel[(cdiv(T, kn), H)](
+    launch(_dkdv_kernel, (cdiv(T, kn), H),
         q_THK, k_THK, v_THK, do, lse2_HT, delta, dk, dv, *common,
         q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import check_float, eager_autograd, eager_cuda, next_pow2
+from packedenc.kernels.triton._common import check_float, eager_autograd, eager_cuda, launch, next_pow2
 
 __all__ = ["linear_cross_entropy", "ce_grad_", "chunked_ce", "CPU_CHUNK_ELEMS"]
 
@@ -87,7 +87,7 @@ def ce_grad_(logits_MV: Tensor, targets_M: Tensor, block_v: int | None = None) -
     if M:
         BLOCK_V = block_v or min(4096, next_pow2(V))
         num_warps = 8 if BLOCK_V >= 4096 else 4 if BLOCK_V >= 1024 else 1
-        _ce_kernel[(M,)](logits_MV, targets_M.contiguous(), loss, V, logits_MV.stride(0),
+        launch(_ce_kernel, (M,), logits_MV, targets_M.contiguous(), loss, V, logits_MV.stride(0),
                          BLOCK_V=BLOCK_V, num_warps=num_warps)
     return loss
 

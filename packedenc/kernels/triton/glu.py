@@ -18,7 +18,7 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import (
-    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, next_pow2, rows,
+    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch, launch_or_op, next_pow2, rows,
 )
 
 __all__ = ["glu", "glu_fwd", "glu_bwd", "ACT_CODES"]
@@ -148,7 +148,7 @@ def glu_fwd(u_T2F: Tensor, act: str = "gelu", in_place: bool = False) -> Tensor:
         out = torch.empty((T, F), dtype=u.dtype, device=u.device)
     if T:
         grid, BLOCK_T, BLOCK_F, num_warps = _tile(T, F)
-        _glu_fwd_kernel[grid](u, out, T, F, u.stride(0), out.stride(0),
+        launch(_glu_fwd_kernel, grid, u, out, T, F, u.stride(0), out.stride(0),
                               ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=num_warps)
     return out if out.dim() == u_T2F.dim() else out.view(*u_T2F.shape[:-1], F)
 
@@ -162,7 +162,7 @@ def glu_bwd(dout_TF: Tensor, u_T2F: Tensor, act: str = "gelu") -> Tensor:
     du = torch.empty((T, F2), dtype=u.dtype, device=u.device)
     if T:
         grid, BLOCK_T, BLOCK_F, num_warps = _tile(T, F)
-        _glu_bwd_kernel[grid](d, u, du, T, F, d.stride(0), u.stride(0), du.stride(0),
+        launch(_glu_bwd_kernel, grid, d, u, du, T, F, d.stride(0), u.stride(0), du.stride(0),
                               ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=num_warps)
     return du.view(u_T2F.shape)
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import (
-    check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, row_tile,
+    check_float, direct_launch, eager_autograd, eager_cuda, launch, launch_or_op, row_tile,
 )
 
 __all__ = ["graph_readout", "readout_fwd", "readout_bwd", "readout_bwd_reference"]
@@ -166,7 +166,7 @@ def readout_fwd(
         return out, m, den
     BT, BD, warps = _tile(D)
     w = weight.reshape(-1).contiguous()
-    _fwd_kernel[(S,)](
+    launch(_fwd_kernel, (S,),
         z, w, bias.reshape(-1).contiguous() if bias is not None else w, cu_seqlens.contiguous(), out, m, den,
         D, z.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_T=block_t or BT, BLOCK_D=BD, num_warps=warps,
@@ -190,7 +190,7 @@ def readout_bwd(
     if S > 0:
         BT, BD, warps = _tile(D)
         w = weight.reshape(-1).contiguous()
-        _bwd_kernel[(S,)](
+        launch(_bwd_kernel, (S,),
             g, z, w, bias.reshape(-1).contiguous() if bias is not None else w, cu_seqlens.contiguous(),
             m_S, den_S, dz, dw, db, D, z.stride(0), g.stride(0), dz.stride(0),
             HAS_BIAS=bias is not None, BLOCK_T=block_t or BT, BLOCK_D=BD, num_warps=warps,

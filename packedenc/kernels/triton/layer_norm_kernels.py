@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import cdiv, check_float, row_tile, rows
+from packedenc.kernels.triton._common import cdiv, check_float, launch, row_tile, rows
 
 __all__ = ["ln_fwd", "ln_bwd", "BWD_PROGRAMS"]
 
@@ -177,10 +177,10 @@ def ln_fwd(
     BLOCK_T, BLOCK_D, num_warps = row_tile(D)
     if tile is not None:
         BLOCK_T, num_warps = tile
-    y2 = y.view(-1, D)
-    s2 = s.view(-1, D) if s is not None else y2
+    y2 = y if y.dim() == 2 else y.view(-1, D)
+    s2 = y2 if s is None else s if s.dim() == 2 else s.view(-1, D)
     ids_ = ids.contiguous() if ids is not None else x2  # unused pointer when not gathering
-    _ln_fwd_kernel[(cdiv(T, BLOCK_T),)](
+    launch(_ln_fwd_kernel, (cdiv(T, BLOCK_T),),
         x2, res2 if residual is not None else x2, x_bias.contiguous() if x_bias is not None else weight, ids_,
         weight.contiguous(),
         bias.contiguous() if bias is not None else weight, y2, s2,
@@ -227,7 +227,7 @@ def ln_bwd(
     part = (torch.empty if T else torch.zeros)((P, 1 + need_db + need_dxb, D), dtype=torch.float32, device=x.device)
     if T:
         ds2 = rows(dsum) if dsum is not None else dy2
-        _ln_bwd_kernel[(P,)](
+        launch(_ln_bwd_kernel, (P,),
             dy2, x2, ids.contiguous() if ids is not None else dy2, weight.contiguous(), ds2, dx, part,
             T, x2.shape[0], D, tiles_per_prog,
             dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),

@@ -32,7 +32,7 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import (
-    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch_or_op, next_pow2,
+    cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch, launch_or_op, next_pow2,
 )
 
 __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]
@@ -125,7 +125,7 @@ def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, t
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
     v_mode = 0 if ov is None else 1 if xv is not None else 2
     xv_, ov_ = (xq if xv is None else xv), (oq if ov is None else ov)  # unused pointers when mode 0
-    _rotary_kernel[grid](
+    launch(_rotary_kernel, grid,
         xq, xk, xv_, oq, ok, ov_, positions.contiguous(), _inv_freq(K, theta, xq.device),
         T, H,
         xq.stride(0), xq.stride(1), xk.stride(0), xk.stride(1), xv_.stride(0), xv_.stride(1),

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import cdiv, next_pow2
+from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 from packedenc.kernels.triton.deberta.launch import LOG2E, TILES, DebertaTiles, check_inputs, prec
 from packedenc.kernels.triton.deberta.scores import _pos_scores
 from packedenc.kernels.triton.deberta.slots import _slot, slot_table
@@ -255,7 +255,7 @@ def deberta_attention_bwd(
         dpq_ = dpq if dpq is not None else delta
         dq32 = torch.zeros((T, H, Kd), dtype=torch.float32, device=q.device)
         for cu, n_seq in tiles.chunks(cu_seqlens):
-            _bwd_onepass_kernel[(cdiv(max_seqlen, BLOCK), H, n_seq)](
+            launch(_bwd_onepass_kernel, (cdiv(max_seqlen, BLOCK), H, n_seq),
                 q, k, v, pk, pq, table, cu, do, lse, delta, dq32, dk, dv, dpk_, dpq_,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), do.stride(0), do.stride(1),

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton._common import cdiv, next_pow2
+from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 from packedenc.kernels.triton.deberta.forward_wide import launch_wide
 from packedenc.kernels.triton.deberta.launch import LOG2E, TILES, DebertaTiles, check_inputs, prec
 from packedenc.kernels.triton.deberta.scores import _c2p_half, _c2p_pick, _pos_scores
@@ -174,7 +174,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: 
                     store_lse, o, lse_arg, tiles)
         return o, lse
     for cu, n_seq in tiles.chunks(cu_seqlens):
-        _fwd_kernel[(cdiv(max_seqlen, BLOCK), H, n_seq)](
+        launch(_fwd_kernel, (cdiv(max_seqlen, BLOCK), H, n_seq),
             q, k, v, pk, pq, table[0], cu, order, o, lse_arg,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), H,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from packedenc.kernels.triton._common import cdiv, next_pow2
+from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 from packedenc.kernels.triton.deberta.launch import LOG2E, DebertaTiles, prec
 from packedenc.kernels.triton.deberta.scores import _c2p_half
 from packedenc.kernels.triton.deberta.slots import _slot
@@ -143,7 +143,7 @@ def launch_wide(q, k, v, cu_seqlens, order, has_order, max_seqlen, pk, pq, table
     any pointer without store_lse)."""
     T, H, Kd = q.shape
     for cu, n_seq in tiles.chunks(cu_seqlens):
-        _fwd_wide_kernel[(cdiv(max_seqlen, tiles.wide_m), H, n_seq)](
+        launch(_fwd_wide_kernel, (cdiv(max_seqlen, tiles.wide_m), H, n_seq),
             q, k, v, pk, pq, table[0], cu, order, o, lse_arg,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), o.stride(0), o.stride(1), H,

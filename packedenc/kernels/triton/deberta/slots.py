@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels.reference.deberta import log_bucket_position
-from packedenc.kernels.triton._common import cdiv, next_pow2
+from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 
 __all__ = ["slot_table", "saturation", "launch_tables", "table_slots", "NO_SATURATION", "MIN_TABLE_HALF"]
 
@@ -122,5 +122,5 @@ def table_slots(d: Tensor, position_buckets: int, max_relative_positions: int, R
     table, half = slot_table(position_buckets, max_relative_positions, R, int(d.abs().max()) + 1, d.device)
     d = d.to(torch.int32).contiguous()
     out = torch.empty_like(d)
-    _slots_kernel[(cdiv(d.numel(), 1024),)](table, d, out, d.numel(), half, BLOCK=1024)
+    launch(_slots_kernel, (cdiv(d.numel(), 1024),), table, d, out, d.numel(), half, BLOCK=1024)
     return out
