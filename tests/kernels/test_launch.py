@@ -27,7 +27,7 @@ class FakeKernel:
     """A JITFunction's launch surface: kernel[grid](*args, **meta) -> compiled kernel."""
 
     def __init__(self):
-        self.log = []
+        self.log, self.pre_run_hooks = [], []
 
         def sig(x, y, n, scale, BLOCK, FLAG=True):  # noqa: N803 - constexpr names as in kernels
             pass
@@ -92,7 +92,11 @@ def test_interpreter_and_launch_hooks_always_take_the_jit(direct, monkeypatch):
     for _ in range(2):
         _common.launch(k, (1,), x, x, 16, 1.0, BLOCK=16)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    k.pre_run_hooks.append(lambda *a, **kw: None)  # e.g. a test recording the launch options
+    for _ in range(2):
+        _common.launch(k, (1,), x, x, 16, 1.0, BLOCK=16)
+    k.pre_run_hooks.clear()
     monkeypatch.setattr(_common, "_INTERPRET", True)
     for _ in range(2):
         _common.launch(k, (1,), x, x, 16, 1.0, BLOCK=16)
-    assert [e[0] for e in k.log] == ["jit"] * 4
+    assert [e[0] for e in k.log] == ["jit"] * 6

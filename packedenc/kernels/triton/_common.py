@@ -146,15 +146,15 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     binding and key strings: 12-20 us of host time a launch on the H200 machine's host
     (benchmarks/results/host_probe_h200.json), which decides short eager batches. The cache key
     (`_arg_key`) distinguishes at least what Triton's does, so the kernel launched is the one the
-    JIT would pick. The interpreter, and any launch with a Triton launch hook set (profilers),
-    take the JIT every time.
+    JIT would pick. The interpreter, a kernel with pre-run hooks and any launch while a Triton launch
+    hook is set (profilers) take the JIT every time.
     """
     if _INTERPRET:
         kernel[grid](*args, **meta)
         return
     from triton import knobs
 
-    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    if kernel.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         kernel[grid](*args, **meta)
         return
     device = _driver().get_current_device()

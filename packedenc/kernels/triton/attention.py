@@ -250,8 +250,7 @@ def attention_fwd(
     launch(_fwd_kernel, (cdiv(T, BM), H),
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
-        q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1),
-        v_THK.stride(0), v_THK.stride(1), o.stride(0), o.stride(1),
+        *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], H * Kd, Kd,  # o is contiguous
         BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, num_warps=warps, num_stages=stages, **meta,
     )
     return o, lse2

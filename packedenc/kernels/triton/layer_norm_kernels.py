@@ -185,7 +185,7 @@ def ln_fwd(
         weight.contiguous(),
         bias.contiguous() if bias is not None else weight, y2, s2,
         T, x2.shape[0], D,
-        x2.stride(0), res2.stride(0) if residual is not None else 0, y2.stride(0), s2.stride(0),
+        x2.stride(0), res2.stride(0) if residual is not None else 0, D, D,  # y and the sum are new (T, D)
         eps,
         HAS_RES=residual is not None, HAS_XB=x_bias is not None, GATHER=ids is not None,
         HAS_BIAS=bias is not None, STORE_SUM=s is not None,

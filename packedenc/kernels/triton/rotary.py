@@ -24,6 +24,8 @@ buffer to the rotary gradient (three full (T, 3, D) passes per layer).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -117,22 +119,26 @@ def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, t
     T, H, K = xq.shape
     if T == 0:
         return
-    J = K // 2
-    BLOCK_J = next_pow2(J)
-    BLOCK_H = min(next_pow2(H), max(1, 1024 // BLOCK_J))
-    BLOCK_T = max(1, min(64, TILE_ELEMS // (BLOCK_H * BLOCK_J)))
-    num_warps = 4 if BLOCK_T * BLOCK_H * BLOCK_J >= 2048 else 2
+    BLOCK_T, BLOCK_H, BLOCK_J, num_warps = _tile(H, K)
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
     v_mode = 0 if ov is None else 1 if xv is not None else 2
     xv_, ov_ = (xq if xv is None else xv), (oq if ov is None else ov)  # unused pointers when mode 0
     launch(_rotary_kernel, grid,
         xq, xk, xv_, oq, ok, ov_, positions.contiguous(), _inv_freq(K, theta, xq.device),
         T, H,
-        xq.stride(0), xq.stride(1), xk.stride(0), xk.stride(1), xv_.stride(0), xv_.stride(1),
-        oq.stride(0), oq.stride(1), ok.stride(0), ok.stride(1), ov_.stride(0), ov_.stride(1),
+        *xq.stride()[:2], *xk.stride()[:2], *xv_.stride()[:2], *oq.stride()[:2], *ok.stride()[:2], *ov_.stride()[:2],
         scaling,
-        SIGN=sign, V_MODE=v_mode, J=J, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, num_warps=num_warps,
+        SIGN=sign, V_MODE=v_mode, J=K // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, num_warps=num_warps,
     )
+
+
+@functools.lru_cache(maxsize=64)  # host time: the tile depends on (H, K) only
+def _tile(H: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_H, BLOCK_J, num_warps): about TILE_ELEMS frequencies x heads x tokens a program."""
+    BLOCK_J = next_pow2(K // 2)
+    BLOCK_H = min(next_pow2(H), max(1, 1024 // BLOCK_J))
+    BLOCK_T = max(1, min(64, TILE_ELEMS // (BLOCK_H * BLOCK_J)))
+    return BLOCK_T, BLOCK_H, BLOCK_J, 4 if BLOCK_T * BLOCK_H * BLOCK_J >= 2048 else 2
 
 
 def _last_contiguous(x: Tensor) -> Tensor:
