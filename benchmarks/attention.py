@@ -16,7 +16,8 @@ window (`-window`). Lengths are seeded log-normal draws, as benchmarks/common.py
    "triton" varlen_attention) and `torch-flash` (torch's varlen attention through kernels/flash.py);
    FlashAttention-4 (the "cute" backend) is timed by `python -m benchmarks cute`.
 3. `--sweep`: the forward, the dQ and the dK/dV kernels alone with candidate tiles (the other
-   backward pass at its default), to place the rows of `attention.TILE_*`.
+   backward pass at its default), to place the rows of `attention.TILE_*`; and the candidate
+   one-pass backward (`attention_bwd(one_pass=tile)`) over the same tiles.
 Writes `--out DIR/attention_h200.json` (records: system, workload, fwd_ms, fwd_bwd_ms, gpu, commit,
 command, versions) and prints a short table with issue 20's targets.
 
@@ -186,6 +187,13 @@ def sweep(lens: list[int], window: tuple[int, int]) -> list[dict[str, Any]]:
                 print(f"  sweep {name} {tile}: {type(e).__name__}: {str(e)[:120]}")
                 continue
             rows.append({"pass": f"bwd, {name} tile varied", "tile": list(tile), "ms": ms, "default": tiles == (dq_tile, kv_tile)})
+    for tile in BWD_SWEEP:  # the candidate one-pass plan: the whole backward in one launch
+        try:
+            ms = median_ms(lambda: attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, one_pass=tile))
+        except Exception as e:  # noqa: BLE001 - as above
+            print(f"  sweep one-pass {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        rows.append({"pass": "bwd, one pass", "tile": list(tile), "ms": ms, "default": False})
     return rows
 
 
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if sweeps:
         print("\n## fastest tile per pass (sweep)")
         for wl in names:
-            for p in ("fwd", "bwd, dq tile varied", "bwd, dkdv tile varied"):
+            for p in ("fwd", "bwd, dq tile varied", "bwd, dkdv tile varied", "bwd, one pass"):
                 rows = [r for r in sweeps if r["workload"] == wl and r["pass"] == p]
                 if rows:
                     best, dflt = min(rows, key=lambda r: r["ms"]), next((r for r in rows if r["default"]), None)

@@ -31,11 +31,11 @@ def _inputs(lengths, H, K, dtype, device=DEVICE, n=4):
     return [torch.randn(T, H, K).to(device, dtype) for _ in range(n)]
 
 
-def _kernels(q, k, v, do, cu, L, window, scale=None, tile=TINY, bwd=TINY_BWD, grads=None):
-    """(out, dq, dk, dv) from the launchers."""
+def _kernels(q, k, v, do, cu, L, window, scale=None, tile=TINY, bwd=TINY_BWD, grads=None, one_pass=None):
+    """(out, dq, dk, dv) from the launchers (`one_pass`: the one-pass backward with that tile)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True, tile=tile)
-    return (out, *attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, grads, tiles=bwd))
+    return (out, *attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, grads, tiles=bwd, one_pass=one_pass))
 
 
 def _plain(q, k, v, do, cu, window, scale=None):
@@ -99,6 +99,15 @@ def test_head_dims(K, window):
 def test_sequences_longer_than_the_window_and_the_tiles(window):
     # blocks whose rows all see whole key tiles: the unmasked middle loops run
     _check(LONG_CPU, 1, 16, torch.float32, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [(-1, -1), (2, 2), (3, 0), (-1, 1), (5, 5)])
+@pytest.mark.parametrize("lengths", [MIXED, LONG_CPU])
+def test_the_one_pass_backward(dtype, window, lengths):
+    """The candidate one-pass plan (both blocks in one program, delta recomputed from O) gives the
+    same gradients, on packs whose blocks straddle sequences and on sequences longer than a tile."""
+    _check(lengths, 2, 16, dtype, window, atol=1e-3, one_pass=TINY)
 
 
 def test_odd_head_dim_and_a_custom_scale():
@@ -288,6 +297,14 @@ _TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 
 def test_gpu_every_tile(tile, bwd, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3  # query-like, blocks straddle many sequences
     _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=tile, bwd=(bwd, bwd))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_pass", [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)])
+@pytest.mark.parametrize("window", [(-1, -1), (64, 64)])
+def test_gpu_one_pass_backward(one_pass, window):
+    lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3
+    _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=A.TILE_SHORT[0], one_pass=one_pass)
 
 
 @pytest.mark.gpu

@@ -9,13 +9,17 @@ rows see on the other side, masks per element only the tiles that cross some row
 skips everything outside the window's band. Both passes read the forward's LSE2 (the softmax
 statistics), so P = exp2(scale * log2(e) * q.k - LSE2) is recomputed exactly, with no max pass.
 
-- `_dq_kernel`, one program per (query block, head): delta = rowsum(dO * O) for its rows (the
-  usual preprocess, fused here: the pass reads dO anyway), stored (H, T) fp32 for the next
-  kernel; then dq = scale * sum_j dS_ij k_j over its key range, dS = P * (dO v^T - delta).
-- `_dkdv_kernel`, one program per (key block, head), launched after the dQ kernel (same stream,
+One kernel, `_bwd_kernel`, launched twice:
+- PASS 0 (`_dq_block`), one program per (query block, head): delta = rowsum(dO * O) for its rows
+  (the usual preprocess, fused here: the pass reads dO anyway), stored (H, T) fp32 for PASS 1;
+  then dq = scale * sum_j dS_ij k_j over its key range, dS = P * (dO v^T - delta).
+- PASS 1 (`_dkdv_block`), one program per (key block, head), launched after PASS 0 (same stream,
   so delta is written): key j is seen by the queries [max(start, j - right), min(end, j + left + 1))
   (the window mirrored: `_spans` with left and right swapped); dv = sum_i P_ij dO_i,
   dk = scale * sum_i dS_ij q_i.
+- PASS 2, a candidate one-pass plan (`attention_bwd(one_pass=tile)`, benchmarks' sweep only): a
+  program runs both blocks for its rows, each query tile's delta recomputed from O: one launch
+  and no dependency between passes, for short packs where the backward is latency-bound.
 P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
 The atomic-dQ plan (FA2's: no dQ pass, dq added by atomics from the dK/dV pass, 5 GEMMs per tile
 pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json).
@@ -66,21 +70,15 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, 
     return dq
 
 
-@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
-def _dq_kernel(
-    Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
-    LSE,  # (H, T) fp32: the forward's log2-sum-exp2
-    DELTA,  # (H, T) fp32 out: rowsum(dO * O)
-    DQ,  # (T, H, K) out (may be a slot of a (T, 3, H, K) gradient)
-    CU, T, S, n_steps, left, right,  # as in the forward
-    qk_scale, sm_scale,  # scale * log2(e), scale
-    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
-    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-):
-    h = tl.program_id(1).to(tl.int64)
+@triton.jit
+def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+              s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
+              HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, STORE_DELTA: tl.constexpr):
+    """dq of the BLOCK_M query rows of block `pid`; their delta = rowsum(dO * O), stored (H, T)
+    for the dK/dV pass when STORE_DELTA."""
     rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, tl.program_id(0), T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+        CU, pid, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -90,7 +88,8 @@ def _dq_kernel(
     do = tl.load(DO + r64 * s_do_t + h * s_do_h + offs_k[None, :], mask=mask2, other=0.0)
     o = tl.load(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], mask=mask2, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(DELTA + h * T + rows, delta, mask=in_t)
+    if STORE_DELTA:
+        tl.store(DELTA + h * T + rows, delta, mask=in_t)
     lse = tl.load(LSE + h * T + rows, mask=in_t, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi, kl, kh,
@@ -104,23 +103,29 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi, blk_hi,
-                ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h, i_lo, i_hi,
+                blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_K: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries). DELTA_FROM_O: each
+    tile's delta = rowsum(dO * O) is computed here from O (the one-pass kernel: no dQ pass has
+    stored it), else read from DELTA."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
         qp = Q + r64 * s_q_t + h * s_q_h + offs_k[None, :]
         dop = DO + r64 * s_do_t + h * s_do_h + offs_k[None, :]
+        op = O + r64 * s_o_t + h * s_o_h + offs_k[None, :]
         if MASKED:
             rm = rows < blk_hi
             rmask = rm[:, None] & kmask[None, :]
             q = tl.load(qp, mask=rmask, other=0.0)
             do = tl.load(dop, mask=rmask, other=0.0)
             lse = tl.load(LSE + h * T + rows, mask=rm, other=0.0)
-            delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
+            if DELTA_FROM_O:
+                delta = tl.sum(do.to(tl.float32) * tl.load(op, mask=rmask, other=0.0).to(tl.float32), 1)
+            else:
+                delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
         else:
             if EVEN_K:
                 q = tl.load(qp)
@@ -129,7 +134,10 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
                 q = tl.load(qp, mask=kmask[None, :], other=0.0)
                 do = tl.load(dop, mask=kmask[None, :], other=0.0)
             lse = tl.load(LSE + h * T + rows)
-            delta = tl.load(DELTA + h * T + rows)
+            if DELTA_FROM_O:
+                delta = tl.sum(do.to(tl.float32) * tl.load(op, mask=kmask[None, :], other=0.0).to(tl.float32), 1)
+            else:
+                delta = tl.load(DELTA + h * T + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
         x_t = s_t * qk_scale - lse[None, :]
         if MASKED:
@@ -143,21 +151,15 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
-def _dkdv_kernel(
-    Q, K, V, DO,  # (T, H, K) views, head dim contiguous
-    LSE, DELTA,  # (H, T) fp32: the forward's log2-sum-exp2; rowsum(dO * O) from _dq_kernel
-    DK, DV,  # (T, H, K) out (may be slots of a (T, 3, H, K) gradient)
-    CU, T, S, n_steps, left, right,
-    qk_scale, sm_scale,
-    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-):
-    h = tl.program_id(1).to(tl.int64)
+@triton.jit
+def _dkdv_block(Q, K, V, O, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+                HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
+    """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
     cols, in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, tl.program_id(0), T, S, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
+        CU, pid, T, S, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -167,29 +169,63 @@ def _dkdv_kernel(
     v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, blk_lo, mid_lo,
-                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, HEAD_DIM == BLOCK_K, PREC)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, mid_lo, mid_hi,
-                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False, HEAD_DIM == BLOCK_K, PREC)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, mid_hi, blk_hi,
-                         blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True, HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h,
+                         blk_lo, mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
+                         HEAD_DIM == BLOCK_K, PREC, DELTA_FROM_O)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h,
+                         mid_lo, mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False,
+                         HEAD_DIM == BLOCK_K, PREC, DELTA_FROM_O)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h,
+                         mid_hi, blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
+                         HEAD_DIM == BLOCK_K, PREC, DELTA_FROM_O)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
     tl.store(DV + c64 * s_dv_t + h * s_dv_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=mask2)
 
 
+@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
+def _bwd_kernel(
+    Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
+    LSE,  # (H, T) fp32: the forward's log2-sum-exp2
+    DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0, read by PASS 1
+    DQ, DK, DV,  # (T, H, K) out (may be slots of a (T, 3, H, K) gradient)
+    CU, T, S, n_steps, left, right,  # as in the forward
+    qk_scale, sm_scale,  # scale * log2(e), scale
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
+    s_dq_t, s_dq_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
+    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read); 2: all three in one pass
+):
+    h = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0)
+    if PASS != 1:
+        _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                  s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
+                  HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, PASS == 0)
+    if PASS != 0:
+        _dkdv_block(Q, K, V, O, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
+                    s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, PASS == 2)
+
+
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    grads: tuple[Tensor, Tensor, Tensor] | None = None, *, tiles=None,
+    grads: tuple[Tensor, Tensor, Tensor] | None = None, *, tiles=None, one_pass=None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward: (dq, dk, dv), each (T, H, K) in q's dtype.
 
     `grads`: three (T, H, K) views to write (e.g. the slots of one (T, 3, H, K) tensor, the
     gradient of a fused qkv buffer); by default the three slabs of one (3, T, H, K) tensor.
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
-    `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
+    `bwd_tiles(...)`: (dQ tile, dK/dV tile). `one_pass` (a tile: owned rows, inner rows, warps,
+    stages) runs the candidate one-pass plan instead: one launch whose programs do both passes
+    for their block, each query tile's delta computed from O (benchmarks' sweep only until
+    measured). Inputs are checked by the caller, as for the forward.
     """
     T, H, Kd = q_THK.shape
     if grads is None:
@@ -203,19 +239,19 @@ def attention_bwd(
     do = do_THK
     if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
         do = do.contiguous()
+    args = (q_THK, k_THK, v_THK, o_THK, do, lse2_HT)
+    strides = (*q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o_THK.stride()[:2],
+               *do.stride()[:2], *dq.stride()[:2], *dk.stride()[:2], *dv.stride()[:2])
+    common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, scale, *strides)
+    if one_pass is not None:
+        own, inner, warps, stages = one_pass
+        launch(_bwd_kernel, (cdiv(T, own), H), *args, lse2_HT, dq, dk, dv, *common,
+               OWN=own, INNER=inner, PASS=2, num_warps=warps, num_stages=stages, **meta)
+        return dq, dk, dv
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, scale)
-    launch(_dq_kernel, (cdiv(T, qm), H),
-        q_THK, k_THK, v_THK, o_THK, do, lse2_HT, delta, dq, *common,
-        q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
-        o_THK.stride(0), o_THK.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-        BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, **meta,
-    )
-    launch(_dkdv_kernel, (cdiv(T, kn), H),
-        q_THK, k_THK, v_THK, do, lse2_HT, delta, dk, dv, *common,
-        q_THK.stride(0), q_THK.stride(1), k_THK.stride(0), k_THK.stride(1), v_THK.stride(0), v_THK.stride(1),
-        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        BLOCK_N=kn, BLOCK_M=km, num_warps=kw, num_stages=ks, **meta,
-    )
+    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dq, dk, dv, *common,
+           OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
+    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, dq, dk, dv, *common,
+           OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
     return dq, dk, dv
