@@ -149,15 +149,11 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     JIT would pick. The interpreter, a kernel with pre-run hooks and any launch while a Triton launch
     hook is set (profilers) take the JIT every time.
     """
-    if _INTERPRET:
+    if _INTERPRET or kernel.pre_run_hooks or _launch_hooked():
         kernel[grid](*args, **meta)
         return
-    from triton import knobs
-
-    if kernel.pre_run_hooks or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        kernel[grid](*args, **meta)
-        return
-    device = _driver().get_current_device()
+    driver = _driver()
+    device = driver.get_current_device()
     key = (kernel, tuple(meta.items()), _arg_key(args), device)
     hit = _DIRECT.get(key)
     if hit is None:
@@ -172,16 +168,26 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     compiled, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, _driver().get_current_stream(device), compiled.function, compiled.packed_metadata,
+    compiled.run(grid[0], g1, g2, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *args, *tail)
 
 
-def _hooked(hook: Any) -> bool:
-    """A launch hook is set: a callable, or one of Triton's (always present) hook chains with calls."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _launch_hooked() -> bool:
+    """A Triton launch hook is set: a callable, or one of Triton's (always present) hook chains with calls."""
+    rt = _runtime_knobs()
+    enter, exit_ = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        exit_ is not None and bool(getattr(exit_, "calls", True)))
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime_knobs() -> Any:
+    from triton import knobs
+
+    return knobs.runtime
 
 
 @functools.lru_cache(maxsize=1)
