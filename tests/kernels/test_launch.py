@@ -78,7 +78,8 @@ def test_a_new_specialisation_goes_through_the_jit(direct):
     _common.launch(k, (1,), x, x, 64, 1.0, BLOCK=32, num_warps=8)  # another option
     _common.launch(k, (1,), x.half(), x, 64, 1.0, BLOCK=32)  # another dtype
     _common.launch(k, (1,), x, x, 1 << 40, 1.0, BLOCK=32)  # a 64-bit int
-    assert [e[0] for e in k.log] == ["jit"] * 8
+    _common.launch(k, (1,), x, x, 1 << 63, 1.0, BLOCK=32)  # an unsigned 64-bit int
+    assert [e[0] for e in k.log] == ["jit"] * 9
     _common.launch(k, (1,), x, x, 32, 3.0, BLOCK=32)  # same key as the first (floats are not keyed)
     assert k.log[-1][0] == "direct"
 

@@ -122,12 +122,13 @@ _DIRECT: dict[tuple, tuple] = {}  # (kernel, meta, argument key, device) -> (com
 
 def _arg_key(args: tuple) -> tuple:
     """What Triton specialises a compiled kernel on, per positional argument, or finer: a tensor's
-    dtype and 16-byte alignment; an int's == 1, multiple of 16 and width; a float's type only."""
+    dtype and 16-byte alignment; an int's == 1, multiple of 16 and width (i32, i64 or u64); a
+    float's type only."""
     key = []
     for a in args:
         t = type(a)
         if t is int:
-            key.append((a == 1, not a & 15, _INT32[0] <= a < _INT32[1]))
+            key.append((a == 1, not a & 15, 0 if _INT32[0] <= a < _INT32[1] else 1 if a < 1 << 63 else 2))
         elif t is float:
             key.append(float)
         elif isinstance(a, Tensor):
