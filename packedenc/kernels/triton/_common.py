@@ -144,8 +144,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     Non-constexpr arguments go positionally, constexprs and launch options (num_warps, ...) by
     keyword. The first call with a given specialisation goes through Triton's JIT (compiling or
     finding the kernel); later calls launch that compiled kernel directly, skipping the JIT's
-    binding and key strings: 12-20 us of host time a launch on the H200 machine's host
-    (benchmarks/results/host_probe_h200.json), which decides short eager batches. The cache key
+    binding and key strings, which decide short eager batches: with 24 arguments the JIT adds 11-19
+    us to the compiled kernel's own launcher (21.5 vs 10.6, 36.7 vs 17.3 us on two H200 hosts), this
+    function ~6 us (16.6 us; benchmarks/results/host_probe_h200.json). The cache key
     (`_arg_key`) distinguishes at least what Triton's does, so the kernel launched is the one the
     JIT would pick. The interpreter, a kernel with pre-run hooks and any launch while a Triton launch
     hook is set (profilers) take the JIT every time.
