@@ -139,7 +139,7 @@ case "$stage" in
     attention-sweep)  # the family with its tile sweep (and the candidate one-pass backward)
         timeout 320 python3 -m benchmarks attention --sweep --out "$out" 2>&1 | tee "$out/attention-sweep.log" | tail -45 ;;
     host)  # eager host time per op (issue 19's layer-by-layer count) and the LayerNorm tile probe
-        timeout 120 python3 -m benchmarks.host_probe --out "$out/host_probe.json" 2>&1 | tee "$out/host_probe.log" | tail -30
+        timeout 150 python3 -m benchmarks.host_probe --out "$out/host_probe.json" --trace "$out/host_trace.txt" 2>&1 | tee "$out/host_probe.log" | tail -30
         timeout 120 python3 -m benchmarks.norm_probe --out "$out/norm_probe.json" 2>&1 | tee "$out/norm_probe.log" | tail -12 ;;
     cute-bench)  # the cute family alone (its GPU tests are in `tests`, run with the stack unpacked)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }

@@ -93,35 +93,46 @@ def _triton_rows(dev: torch.device) -> dict[str, Callable[[], Any]]:
     return rows
 
 
-def _op_rows(dev: torch.device, backend: str, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+def _query_lengths() -> list[int]:
+    """128 sequences of 12..36 tokens: the shape of the `query` workload (~3.1k tokens)."""
+    return [int(n) for n in torch.randint(12, 37, (128,), generator=torch.Generator().manual_seed(0))]
+
+
+def _op_rows(dev: torch.device, backend: str, dtype: torch.dtype, lengths: list[int] | None = None) -> dict[str, Callable[[], Any]]:
+    """The ops of a layer on the tiny pack (default) or on a pack of `lengths` (rows named "@query")."""
     from packedenc.kernels import get_ops
 
     ops = get_ops(backend, dev)
+    lens = lengths or [20, 30, T - 50]
+    n_tok = sum(lens)
     g = torch.Generator(device=dev).manual_seed(0)
     r = lambda *s: torch.randn(*s, device=dev, generator=g).to(dtype)  # noqa: E731
-    x, res, w = r(T, D), r(T, D), r(D)
+    x, res, w = r(n_tok, D), r(n_tok, D), r(D)
     wqkv, wi = r(3 * D, D) * D**-0.5, r(2 * F_MLP, D) * D**-0.5
-    cu = torch.tensor([0, 20, 50, T], dtype=torch.int32, device=dev)
-    pos = torch.cat([torch.arange(n, device=dev) for n in (20, 30, T - 50)])
-    qkv = r(T, 3, H, K)
-    q, k, v = r(T, H, K), r(T, H, K), r(T, H, K)
-    u = r(T, 2 * F_MLP)
-    name = f"[{backend}]"
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+    qkv = r(n_tok, 3, H, K)
+    q, k, v = r(n_tok, H, K), r(n_tok, H, K), r(n_tok, H, K)
+    u = r(n_tok, 2 * F_MLP)
+    name = f"[{backend}]" + ("@query" if lengths else "")
     rows = {
         "ops.add_layer_norm" + name: lambda: ops.add_layer_norm(x, res, w, None, EPS),
         "ops.linear(Wqkv)" + name: lambda: ops.linear(x, wqkv, None),
         "ops.rotary" + name: lambda: ops.rotary(qkv, pos, 160000.0, with_v=True),
         "ops.rotary(overwrite)" + name: lambda: ops.rotary(qkv, pos, 160000.0, with_v=True, overwrite_input=True),
-        "ops.varlen_attention" + name: lambda: ops.varlen_attention(q, k, v, cu, 30),
-        "ops.varlen_attention(window)" + name: lambda: ops.varlen_attention(q, k, v, cu, 30, window=(64, 64)),
+        "ops.varlen_attention" + name: lambda: ops.varlen_attention(q, k, v, cu, max(lens)),
+        "ops.varlen_attention(window)" + name: lambda: ops.varlen_attention(q, k, v, cu, max(lens), window=(64, 64)),
         "ops.glu" + name: lambda: ops.glu(u, "gelu"),
         "ops.linear_glu" + name: lambda: ops.linear_glu(x, wi, None, "gelu"),
     }
+    if lengths:
+        rows["ops.linear(Wo)" + name] = lambda: ops.linear(x, wqkv[:D], None)
+        return rows
     xg, resg, wg = (t.clone().requires_grad_() for t in (x, res, w))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     rows |= {
         "ops.add_layer_norm+grad" + name: lambda: ops.add_layer_norm(xg, resg, wg, None, EPS),
-        "ops.varlen_attention+grad" + name: lambda: ops.varlen_attention(qg, kg, vg, cu, 30),
+        "ops.varlen_attention+grad" + name: lambda: ops.varlen_attention(qg, kg, vg, cu, max(lens)),
     }
     return rows
 
@@ -144,8 +155,7 @@ def _model_rows(dev: torch.device, dtype: torch.dtype, backend: str, layers: int
     cfg = modernbert.ModernBertConfig(num_hidden_layers=layers)
     params = pe.tree_to(pe.init(cfg, torch.Generator().manual_seed(0), dtype=dtype), dev)
     b = pe.pack([list(range(5, 5 + n)) for n in (20, 30, T - 50)], device=dev)
-    g = torch.Generator().manual_seed(0)
-    query = pe.pack([list(range(5, 5 + int(n))) for n in torch.randint(12, 37, (128,), generator=g)], device=dev)
+    query = pe.pack([list(range(5, 5 + n)) for n in _query_lengths()], device=dev)
     one = pe.tree_to(pe.init(modernbert.ModernBertConfig(num_hidden_layers=1), torch.Generator().manual_seed(0),
                              dtype=dtype), dev)
     return {
@@ -159,12 +169,31 @@ def _model_rows(dev: torch.device, dtype: torch.dtype, backend: str, layers: int
     }
 
 
+def _trace(dev: torch.device, dtype: torch.dtype, backend: str, layers: int) -> str:
+    """torch.profiler's table (host self time per op and CUDA API call) of 5 query encodes: which
+    calls the host time of a short batch goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = next(f for n, (f, _) in _model_rows(dev, dtype, backend, layers).items() if n.startswith("encode(query"))
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(5):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.host_probe", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backends", nargs="+", help="default: triton and reference on CUDA, auto on the CPU")
     ap.add_argument("--layers", type=int, default=22, help="ModernBERT layers for the encode row (22: base)")
     ap.add_argument("--out", type=Path, help="write the records here as JSON")
+    ap.add_argument("--trace", type=Path, help="write torch.profiler's host table of one query encode here")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -183,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     rows |= {n: (f, 1) for n, f in _torch_rows(dev, dtype).items()}
     for backend in a.backends or (["triton", "reference"] if dev.type == "cuda" else ["auto"]):
         rows |= {n: (f, 1) for n, f in _op_rows(dev, backend, dtype).items()}
+        rows |= {n: (f, 1) for n, f in _op_rows(dev, backend, dtype, _query_lengths()).items()}
         rows |= _model_rows(dev, dtype, backend, a.layers if dev.type == "cuda" else 1)
     records = []
     for name, (fn, per) in rows.items():
@@ -199,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:42s} {tail}", flush=True)
     if a.out:
         replace_text(a.out, json.dumps(records, indent=1))
+    if a.trace:
+        replace_text(a.trace, _trace(dev, dtype, (a.backends or ["triton" if dev.type == "cuda" else "auto"])[0],
+                                     a.layers if dev.type == "cuda" else 1))
+        print(a.trace.read_text()[:4000])
     return 0
 
 
