@@ -50,8 +50,10 @@ def direct(monkeypatch):
     monkeypatch.setattr(_common, "_driver", lambda: SimpleNamespace(get_current_device=lambda: 0,
                                                                    get_current_stream=lambda d: 7))
     _common._DIRECT.clear()
+    _common._device_getter.cache_clear()
     yield
     _common._DIRECT.clear()
+    _common._device_getter.cache_clear()
 
 
 def test_second_call_launches_the_compiled_kernel_with_constexprs_in_order(direct):
@@ -101,3 +103,37 @@ def test_interpreter_and_launch_hooks_always_take_the_jit(direct, monkeypatch):
     for _ in range(2):
         _common.launch(k, (1,), x, x, 16, 1.0, BLOCK=16)
     assert [e[0] for e in k.log] == ["jit"] * 6
+
+
+class FakeCudaLauncher:
+    """Triton's CudaLauncher surface: the C `launch` and the fields that say whether scratch is needed."""
+
+    def __init__(self, log, scratch):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def launch(self, g0, g1, g2, stream, function, coop, pdl, gscratch, pscratch, packed, lmeta, enter, exit_, *args):
+        self.log.append(("c", (g0, g1, g2), stream, (function, coop, pdl, gscratch, pscratch, packed), args))
+
+    def __call__(self, g0, g1, g2, stream, function, packed, lmeta, enter, exit_, *args):
+        self.log.append(("python", (g0, g1, g2), stream, args))
+
+
+@pytest.mark.parametrize("scratch", [0, 128])
+def test_a_kernel_without_scratch_is_launched_by_the_c_launcher(direct, scratch):
+    k = FakeKernel()
+
+    def jit(grid):
+        def run(*args, **meta):
+            k.log.append(("jit", grid, args, meta))
+            return SimpleNamespace(run=FakeCudaLauncher(k.log, scratch), function="fn-handle", packed_metadata=(4, 1, 0))
+        return run
+
+    k.__class__ = type("K", (FakeKernel,), {"__getitem__": lambda self, grid: jit(grid)})
+    x = torch.zeros(64)
+    _common.launch(k, (3,), x, x, 64, 0.5, BLOCK=32)
+    _common.launch(k, (3, 2), x, x, 64, 0.5, BLOCK=32)
+    if scratch:  # scratch to allocate: the launcher's own __call__ does it
+        assert k.log[1] == ("python", (3, 2, 1), 7, (x, x, 64, 0.5, 32, True))
+    else:
+        assert k.log[1] == ("c", (3, 2, 1), 7, ("fn-handle", False, True, None, None, (4, 1, 0)), (x, x, 64, 0.5, 32, True))

@@ -155,7 +155,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         kernel[grid](*args, **meta)
         return
     driver = _driver()
-    device = driver.get_current_device()
+    device = _device_getter()()
     key = (kernel, tuple(meta.items()), _arg_key(args), device)
     hit = _DIRECT.get(key)
     if hit is None:
@@ -165,13 +165,39 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         tail = tuple(meta[n] if n in meta else defaults[n] for n in names)
         if len(_DIRECT) > 4096:  # a run with many shapes' alignments: start over rather than grow
             _DIRECT.clear()
-        _DIRECT[key] = (compiled, tail)
+        _DIRECT[key] = (*_launcher(compiled), tail)
         return
-    compiled, tail = hit
+    fn, head, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *tail)
+    fn(grid[0], g1, g2, driver.get_current_stream(device), *head, *args, *tail)
+
+
+def _launcher(compiled: Any) -> tuple[Callable, tuple]:
+    """(callable, the arguments between the stream and the kernel's own) for a compiled kernel.
+
+    A kernel that needs no scratch memory (ours: no device-side allocation, no profiler) is
+    launched by the C function under Triton's `CudaLauncher`: its Python `__call__` only works
+    out scratch buffers, and costs ~1-2 us a call. Anything else, or a Triton whose launcher
+    lacks these fields, goes through `compiled.run`, which takes the same arguments as the JIT's.
+    """
+    run = compiled.run
+    c_launch = getattr(run, "launch", None)
+    if (callable(c_launch) and getattr(run, "global_scratch_size", None) == 0
+            and getattr(run, "profile_scratch_size", None) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        # C signature: grid, stream, function, cooperative, pdl, global / profile scratch, packed
+        # metadata, launch metadata, enter / exit hooks, then the kernel's arguments
+        return c_launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                          compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+@functools.lru_cache(maxsize=1)
+def _device_getter() -> Callable[[], int]:
+    """The current CUDA device index: torch's C getter (no Python wrapper, no lazy-init check: a
+    launch only gets here once a kernel has run), or the driver's where torch has no CUDA."""
+    return getattr(torch._C, "_cuda_getDevice", None) or _driver().get_current_device
 
 
 def _launch_hooked() -> bool:
