@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh tests        # the `gpu`-marked test suite (with the stack: over 10 minutes,
 #                                               #   so a queue runs it as tests-kernels, then tests-rest)
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
-#   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep (incl. the one-pass backward)
+#   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep
+#   bash benchmarks/gpu_session.sh attention-short  # the same, query-64k and query-64k-window only (the short-sequence tiles)
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
@@ -61,7 +62,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -77,7 +78,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -101,7 +102,7 @@ if [ -f .gpu-stack/b/stack-b.tar.xz ] && [ -d "$stack/nvidia_cutlass_dsl" ]; the
     tar -xJf .gpu-stack/b/stack-b.tar.xz -C "$stack"
 fi
 # The README's tables measure the default install: those stages never see the stack (the cute family does).
-case "$stage" in readme-*|small|attention|attention-sweep) base_install=1 ;; *) base_install=0 ;; esac
+case "$stage" in readme-*|small|attention|attention-sweep|attention-short) base_install=1 ;; *) base_install=0 ;; esac
 if [ -d "$stack/flash_attn" ] && [ "$base_install" = 0 ]; then  # both halves unpacked (see the header)
     export PYTHONPATH="$PYTHONPATH:$stack/nvidia_cutlass_dsl/dsl_packages:$stack"
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
@@ -136,8 +137,11 @@ case "$stage" in
         bench 330 train --models modernbert-base --systems packedenc packedenc+graphs torch-packed --reps 3 ;;
     attention)
         timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
-    attention-sweep)  # the family with its tile sweep (and the candidate one-pass backward)
+    attention-sweep)  # the family with its tile sweep
         timeout 320 python3 -m benchmarks attention --sweep --out "$out" 2>&1 | tee "$out/attention-sweep.log" | tail -45 ;;
+    attention-short)  # the sweep on the short-sequence workloads alone
+        timeout 200 python3 -m benchmarks attention --sweep --only query-64k,query-64k-window --out "$out" 2>&1 \
+            | tee "$out/attention-short.log" | tail -40 ;;
     host)  # eager host time per op (issue 19's layer-by-layer count) and the LayerNorm tile probe
         timeout 150 python3 -m benchmarks.host_probe --out "$out/host_probe.json" --trace "$out/host_trace.txt" 2>&1 | tee "$out/host_probe.log" | tail -30
         timeout 120 python3 -m benchmarks.norm_probe --out "$out/norm_probe.json" 2>&1 | tee "$out/norm_probe.log" | tail -12 ;;

@@ -1,6 +1,7 @@
 """triton/attention*.py: the packed varlen attention kernels (forward, dQ, dK/dV) vs the reference.
 
-CPU: the kernels under TRITON_INTERPRET=1 on tiny ragged packs with 16-row tiles (1- and 2-token
+CPU: the kernels under TRITON_INTERPRET=1 on tiny ragged packs with 16-row tiles (and 32-row
+blocks over 16-row inner tiles, the sweep's short-sequence shape) (1- and 2-token
 sequences, blocks straddling several sequences, sequences longer than a tile and than the window,
 empty sequences), fp32 / fp16, global and windowed (one-sided too), head dims 16..128 and odd ones:
 output and all three gradients against the reference; isolation of the gradients; fused qkv
@@ -31,11 +32,11 @@ def _inputs(lengths, H, K, dtype, device=DEVICE, n=4):
     return [torch.randn(T, H, K).to(device, dtype) for _ in range(n)]
 
 
-def _kernels(q, k, v, do, cu, L, window, scale=None, tile=TINY, bwd=TINY_BWD, grads=None, one_pass=None):
-    """(out, dq, dk, dv) from the launchers (`one_pass`: the one-pass backward with that tile)."""
+def _kernels(q, k, v, do, cu, L, window, scale=None, tile=TINY, bwd=TINY_BWD, grads=None):
+    """(out, dq, dk, dv) from the launchers."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True, tile=tile)
-    return (out, *attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, grads, tiles=bwd, one_pass=one_pass))
+    return (out, *attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, grads, tiles=bwd))
 
 
 def _plain(q, k, v, do, cu, window, scale=None):
@@ -102,12 +103,12 @@ def test_sequences_longer_than_the_window_and_the_tiles(window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [(-1, -1), (2, 2), (3, 0), (-1, 1), (5, 5)])
-@pytest.mark.parametrize("lengths", [MIXED, LONG_CPU])
-def test_the_one_pass_backward(dtype, window, lengths):
-    """The candidate one-pass plan (both blocks in one program, delta recomputed from O) gives the
-    same gradients, on packs whose blocks straddle sequences and on sequences longer than a tile."""
-    _check(lengths, 2, 16, dtype, window, atol=1e-3, one_pass=TINY)
+@pytest.mark.parametrize("window", [(-1, -1), (2, 2)])
+def test_owned_blocks_wider_than_the_inner_tiles(dtype, window):
+    """The sweep's short-sequence tiles: 32 owned rows looped over in 16-row inner tiles, forward
+    and both backward passes (blocks straddling several sequences on both sides)."""
+    tile = (32, 16, 2, 1)
+    _check(MIXED, 2, 16, dtype, window, atol=1e-3, tile=tile, bwd=(tile, tile))
 
 
 def test_odd_head_dim_and_a_custom_scale():
@@ -288,7 +289,8 @@ def test_gpu_2x_rule_determinism_isolation(dtype, window, H, K):
 
 # (forward tile, backward tile for both passes): every row of the table and the sweep's extremes
 _TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 3)), (A.TILE_LONG[0], (128, 64, 8, 2)),
-               ((32, 32, 4, 1), (32, 32, 4, 1)), ((128, 128, 8, 2), (64, 64, 4, 2)), ((64, 64, 4, 3), (128, 32, 4, 3))]
+               ((32, 32, 4, 1), (32, 32, 4, 1)), ((128, 128, 8, 2), (64, 64, 4, 2)), ((64, 64, 4, 3), (128, 32, 4, 3)),
+               ((32, 32, 2, 2), (32, 32, 2, 2)), ((32, 16, 2, 2), (32, 16, 2, 2))]
 
 
 @pytest.mark.gpu
@@ -297,14 +299,6 @@ _TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 
 def test_gpu_every_tile(tile, bwd, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3  # query-like, blocks straddle many sequences
     _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=tile, bwd=(bwd, bwd))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("one_pass", [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)])
-@pytest.mark.parametrize("window", [(-1, -1), (64, 64)])
-def test_gpu_one_pass_backward(one_pass, window):
-    lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3
-    _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=A.TILE_SHORT[0], one_pass=one_pass)
 
 
 @pytest.mark.gpu

@@ -17,12 +17,12 @@ One kernel, `_bwd_kernel`, launched twice:
   so delta is written): key j is seen by the queries [max(start, j - right), min(end, j + left + 1))
   (the window mirrored: `_spans` with left and right swapped); dv = sum_i P_ij dO_i,
   dk = scale * sum_i dS_ij q_i.
-- PASS 2, a candidate one-pass plan (`attention_bwd(one_pass=tile)`, benchmarks' sweep only): a
-  program runs both blocks for its rows, each query tile's delta recomputed from O: one launch
-  and no dependency between passes, for short packs where the backward is latency-bound.
 P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
 The atomic-dQ plan (FA2's: no dQ pass, dq added by atomics from the dK/dV pass, 5 GEMMs per tile
 pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json).
+A one-pass plan (both blocks per program, each query tile's delta recomputed from O: one launch,
+no dependency between passes) also measured slower on every workload
+(benchmarks/results/history/attention_h200_b4119ba.json).
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, 
 def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
               s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
               HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, STORE_DELTA: tl.constexpr):
+              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
     """dq of the BLOCK_M query rows of block `pid`; their delta = rowsum(dO * O), stored (H, T)
-    for the dK/dV pass when STORE_DELTA."""
+    for the dK/dV pass."""
     rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
         CU, pid, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -88,8 +88,7 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, r
     do = tl.load(DO + r64 * s_do_t + h * s_do_h + offs_k[None, :], mask=mask2, other=0.0)
     o = tl.load(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], mask=mask2, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if STORE_DELTA:
-        tl.store(DELTA + h * T + rows, delta, mask=in_t)
+    tl.store(DELTA + h * T + rows, delta, mask=in_t)
     lse = tl.load(LSE + h * T + rows, mask=in_t, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi, kl, kh,
@@ -103,29 +102,23 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, r
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h, i_lo, i_hi,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
                 blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
+                EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries). DELTA_FROM_O: each
-    tile's delta = rowsum(dO * O) is computed here from O (the one-pass kernel: no dQ pass has
-    stored it), else read from DELTA."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
         qp = Q + r64 * s_q_t + h * s_q_h + offs_k[None, :]
         dop = DO + r64 * s_do_t + h * s_do_h + offs_k[None, :]
-        op = O + r64 * s_o_t + h * s_o_h + offs_k[None, :]
         if MASKED:
             rm = rows < blk_hi
             rmask = rm[:, None] & kmask[None, :]
             q = tl.load(qp, mask=rmask, other=0.0)
             do = tl.load(dop, mask=rmask, other=0.0)
             lse = tl.load(LSE + h * T + rows, mask=rm, other=0.0)
-            if DELTA_FROM_O:
-                delta = tl.sum(do.to(tl.float32) * tl.load(op, mask=rmask, other=0.0).to(tl.float32), 1)
-            else:
-                delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
+            delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
         else:
             if EVEN_K:
                 q = tl.load(qp)
@@ -134,10 +127,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, 
                 q = tl.load(qp, mask=kmask[None, :], other=0.0)
                 do = tl.load(dop, mask=kmask[None, :], other=0.0)
             lse = tl.load(LSE + h * T + rows)
-            if DELTA_FROM_O:
-                delta = tl.sum(do.to(tl.float32) * tl.load(op, mask=kmask[None, :], other=0.0).to(tl.float32), 1)
-            else:
-                delta = tl.load(DELTA + h * T + rows)
+            delta = tl.load(DELTA + h * T + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
         x_t = s_t * qk_scale - lse[None, :]
         if MASKED:
@@ -152,10 +142,10 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, 
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, O, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
-                s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                 HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_O: tl.constexpr):
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
     """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
     cols, in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
@@ -169,15 +159,15 @@ def _dkdv_block(Q, K, V, O, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, l
     v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          blk_lo, mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC, DELTA_FROM_O)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h,
+                         HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_lo, mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False,
-                         HEAD_DIM == BLOCK_K, PREC, DELTA_FROM_O)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, O, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, s_o_t, s_o_h,
+                         HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_hi, blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC, DELTA_FROM_O)
+                         HEAD_DIM == BLOCK_K, PREC)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
@@ -197,35 +187,32 @@ def _bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read); 2: all three in one pass
+    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
 ):
     h = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
-    if PASS != 1:
+    if PASS == 0:
         _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
-                  HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, PASS == 0)
-    if PASS != 0:
-        _dkdv_block(Q, K, V, O, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
-                    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
+                  HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
+    else:
+        _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
                     s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, PASS == 2)
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
 
 
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    grads: tuple[Tensor, Tensor, Tensor] | None = None, *, tiles=None, one_pass=None,
+    grads: tuple[Tensor, Tensor, Tensor] | None = None, *, tiles=None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward: (dq, dk, dv), each (T, H, K) in q's dtype.
 
     `grads`: three (T, H, K) views to write (e.g. the slots of one (T, 3, H, K) tensor, the
     gradient of a fused qkv buffer); by default the three slabs of one (3, T, H, K) tensor.
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
-    `bwd_tiles(...)`: (dQ tile, dK/dV tile). `one_pass` (a tile: owned rows, inner rows, warps,
-    stages) runs the candidate one-pass plan instead: one launch whose programs do both passes
-    for their block, each query tile's delta computed from O (benchmarks' sweep only until
-    measured). Inputs are checked by the caller, as for the forward.
+    `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
     """
     T, H, Kd = q_THK.shape
     if grads is None:
@@ -243,11 +230,6 @@ def attention_bwd(
     strides = (*q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o_THK.stride()[:2],
                *do.stride()[:2], *dq.stride()[:2], *dk.stride()[:2], *dv.stride()[:2])
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, scale, *strides)
-    if one_pass is not None:
-        own, inner, warps, stages = one_pass
-        launch(_bwd_kernel, (cdiv(T, own), H), *args, lse2_HT, dq, dk, dv, *common,
-               OWN=own, INNER=inner, PASS=2, num_warps=warps, num_stages=stages, **meta)
-        return dq, dk, dv
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
     launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dq, dk, dv, *common,
