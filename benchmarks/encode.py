@@ -70,6 +70,11 @@ def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
     pad_id = host_params.config.pad_token_id or 0
     return [
         PackedencSystem("packedenc", host_params, device),
+        # the fused RoPE + attention forward against the two ops it replaces (auto.py's evidence),
+        # on the workload whose sequences it takes (<= 128 tokens)
+        PackedencSystem("packedenc[triton]", host_params, device, backend="triton", only=("query",)),
+        PackedencSystem("packedenc[triton,rope-unfused]", host_params, device, backend="triton",
+                        unfused=("rotary_attention",), only=("query",)),
         GraphedSystem("packedenc+graphs", host_params, device, max_tokens=32768, max_seqs=256),
         PackedFnSystem("torch-packed", host_params, device, baseline_modernbert.encode, baseline_modernbert.prepare),
         HFPaddedSystem("hf-sdpa", hf, device, pad_id=pad_id),

@@ -120,6 +120,7 @@ def _op_rows(dev: torch.device, backend: str, dtype: torch.dtype, lengths: list[
         "ops.linear(Wqkv)" + name: lambda: ops.linear(x, wqkv, None),
         "ops.rotary" + name: lambda: ops.rotary(qkv, pos, 160000.0, with_v=True),
         "ops.rotary(overwrite)" + name: lambda: ops.rotary(qkv, pos, 160000.0, with_v=True, overwrite_input=True),
+        "ops.rotary_attention" + name: lambda: ops.rotary_attention(qkv, pos, 160000.0, cu, max(lens)),
         "ops.varlen_attention" + name: lambda: ops.varlen_attention(q, k, v, cu, max(lens)),
         "ops.varlen_attention(window)" + name: lambda: ops.varlen_attention(q, k, v, cu, max(lens), window=(64, 64)),
         "ops.glu" + name: lambda: ops.glu(u, "gelu"),

@@ -43,12 +43,27 @@ def hf_builder(host_params: Any, dtype: torch.dtype, attn: str = "sdpa") -> Call
 class PackedencSystem(System):
     """`packedenc.encode(params, ids, cu_seqlens, max_seqlen, backend=...)`."""
 
-    def __init__(self, name: str, host_params: Any, device: torch.device, backend: str = "auto") -> None:
+    def __init__(self, name: str, host_params: Any, device: torch.device, backend: str = "auto",
+                 unfused: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> None:
         self.name, self.host_params, self.device, self.backend = name, host_params, device, backend
+        self.unfused = unfused  # composite ops run as their parts (what a fused kernel replaces)
+        self.only = only  # workloads this system runs (all when empty)
         self.params: Any = None
+
+    def skip_reason(self, workload: Workload) -> str | None:
+        if self.only and workload.name not in self.only:
+            return f"measured on {', '.join(self.only)} only"
+        return None
 
     def setup(self) -> None:
         self.params = pe.tree_to(self.host_params, self.device)
+        if self.unfused:
+            from packedenc.kernels import get_ops, unfused
+
+            ops = get_ops(self.backend, self.device)
+            for op in self.unfused:
+                ops = unfused(ops, op)
+            self.backend = ops
 
     def prepare(self, batch: Batch) -> tuple[Tensor, Tensor, int]:
         return batch.ids.to(self.device), batch.cu_seqlens.to(self.device), batch.max_seqlen

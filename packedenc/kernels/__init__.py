@@ -28,6 +28,11 @@ fp16 / bf16 head dims 64 and 128 on sm90+, `cute/attention.covers_fa4`). An auto
 class is named with it, "cute[long-global]>triton": it takes the calls its backend covers AND its
 shape rule accepts.
 
+Composite ops are two ops in a row that a kernel may fuse: `rotary_attention` is
+`varlen_attention(*rotary(qkv, ...))`. Their chain ends with the parts instead of the reference,
+named "rotary+varlen_attention": the calls no fused implementation takes run the table's own
+entries of the two parts (whatever serves them), so fusing never changes who serves the rest.
+
 Adding a kernel (checklist):
 1. The plain-torch version goes in `reference/ops.py` under the op's name; add the field to `Ops`.
 2. The kernel file goes in `kernels/<backend>/<op>.py` (kernel, registered op, allocating wrapper
@@ -52,7 +57,8 @@ import torch
 from packedenc.errors import ConfigError
 from packedenc.kernels import auto, reference
 
-__all__ = ["Ops", "get_ops", "register_impl", "chain", "choose", "describe_ops", "BACKENDS", "available_backends"]
+__all__ = ["Ops", "get_ops", "register_impl", "chain", "choose", "describe_ops", "BACKENDS", "available_backends",
+           "unfused", "PARTS"]
 
 log = logging.getLogger("packedenc")
 
@@ -89,9 +95,14 @@ class Ops:
     graph_attention: Callable  # varlen attention, own query/key boundaries + per-key head bias (graph)
     graph_readout: Callable  # anchor + softmax-weighted neighbours per packed sequence (graph readout)
     linear_cross_entropy: Callable  # per-row CE of x @ W^T + b (MLM decoder + loss; kernels keep no logits)
+    rotary_attention: Callable  # varlen_attention(*rotary(qkv, ...)): RoPE read inside the attention where fused
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("backend", "chosen"))
+# Composite op -> (its parts, how the parts' entries make it): the end of its chain (see the docstring).
+PARTS: dict[str, tuple[tuple[str, ...], Callable[..., Callable]]] = {
+    "rotary_attention": (("rotary", "varlen_attention"), reference.compose_rotary_attention),
+}
 
 _IMPLS: dict[str, dict[str, Callable]] = {"reference": {n: getattr(reference, n) for n in OP_NAMES}}
 _COVERS: dict[tuple[str, str], Callable[..., bool]] = {}  # (backend, op) -> the inputs a partial impl takes
@@ -136,14 +147,22 @@ def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[st
     A candidate is a backend name or a shaped auto row, "backend[shape]"; `usable` is asked only
     about the backends that are reached."""
     picked: list[str] = []
-    for name in (*candidates, "reference"):
+    last = _parts_name(op) if op in PARTS else "reference"
+    for name in (*candidates, last):
         b = _backend_of(name)
+        if name == last:
+            picked.append(name)
+            break
         if b in map(_backend_of, picked) or (b != "reference" and not usable(b)) or op not in _IMPLS.get(b, {}):
             continue
         picked.append(name)
         if _rule(op, name) is None:
             break
     return ">".join(picked)
+
+
+def _parts_name(op: str) -> str:
+    return "+".join(PARTS[op][0])  # "rotary+varlen_attention"
 
 
 def _route(first: Callable, covers: Callable[..., bool], rest: Callable) -> Callable:
@@ -153,14 +172,30 @@ def _route(first: Callable, covers: Callable[..., bool], rest: Callable) -> Call
     return routed
 
 
-def _entry(op: str, name: str) -> Callable:
-    """The table's callable for `op` served by `name` (one backend, or a chain "a>b[shape]>...")."""
+def _entry(op: str, name: str, parts: Callable | None = None) -> Callable:
+    """The table's callable for `op` served by `name` (one backend, or a chain "a>b[shape]>...");
+    `parts`: a composite op's parts in a row (its chain's last link), built from the same table."""
+    if op in PARTS:  # per table (the parts differ between tables): built by _choose_all, not cached here
+        first, _, rest = name.partition(">")
+        if not rest:
+            return parts if first == _parts_name(op) else _IMPLS[first][op]
+        return _route(_IMPLS[_backend_of(first)][op], _rule(op, first), _entry(op, rest, parts))
     if ">" not in name:
         return _IMPLS[name][op]
     if (op, name) not in _ROUTES:
         first, rest = name.split(">", 1)
         _ROUTES[(op, name)] = _route(_IMPLS[_backend_of(first)][op], _rule(op, first), _entry(op, rest))
     return _ROUTES[(op, name)]
+
+
+def _entries(chosen: tuple[tuple[str, str], ...]) -> dict[str, Callable]:
+    """op -> callable for one table: plain ops first, then the composites from their parts' entries."""
+    out = {op: _entry(op, name) for op, name in chosen if op not in PARTS}
+    for op, name in chosen:
+        if op in PARTS:
+            names, compose = PARTS[op]
+            out[op] = _entry(op, name, compose(*(out[p] for p in names)))
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +235,7 @@ def choose(op: str, backend: str = "auto", device_type: str = "cuda",
     to ask what the table gives elsewhere. CPU devices and `backend="reference"`: the reference.
     """
     if device_type != "cuda" or backend == "reference":
-        return "reference"
+        return _parts_name(op) if op in PARTS else "reference"
     names = [row.name for row in auto.rows(op) if row.chosen]
     if backend != "auto":
         names.insert(0, backend)
@@ -208,6 +243,7 @@ def choose(op: str, backend: str = "auto", device_type: str = "cuda",
 
 
 _CHOSEN: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+_TABLES: dict[tuple[str, str], dict[str, Callable]] = {}  # (backend, device type) -> op -> callable
 
 
 # torch.compile: dynamo cannot trace the imports that load a backend, and would trace through an
@@ -228,8 +264,7 @@ def _choose_all(backend: str, device_type: str) -> tuple[tuple[str, str], ...]:
         fix = f"; install it with {_EXTRAS[backend]}" if backend in _EXTRAS else ""
         raise ConfigError(f"backend {backend!r} is not available on this machine ({why}){fix}")
     chosen = tuple((op, choose(op, backend, device.type)) for op in OP_NAMES)
-    for op, name in chosen:
-        _entry(op, name)  # routed entries are built here, outside any trace
+    _TABLES[key] = _entries(chosen)  # routed entries are built here, outside any trace
     _CHOSEN[key] = chosen
     if device.type == "cuda":
         log.info("packedenc backend=%s on %s: %s", backend, device_type,
@@ -248,7 +283,15 @@ def get_ops(backend: str | Ops = "auto", device: torch.device | str | None = Non
         raise ConfigError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     dev = torch.device("cpu" if device is None else device)
     chosen = _choose_all(backend, dev.type)
-    return Ops(backend=backend, chosen=chosen, **{op: _entry(op, b) for op, b in chosen})
+    return Ops(backend=backend, chosen=chosen, **_TABLES[(backend, dev.type)])
+
+
+def unfused(ops: Ops, op: str) -> Ops:
+    """`ops` with the composite `op` run as its parts from the same table, never fused (benchmarks
+    time what a fused kernel replaces this way)."""
+    names, compose = PARTS[op]
+    chosen = tuple((o, _parts_name(op) if o == op else b) for o, b in ops.chosen)
+    return dataclasses.replace(ops, chosen=chosen, **{op: compose(*(getattr(ops, p) for p in names))})
 
 
 def _why(op: str, name: str, backend: str, chained: str) -> str:
@@ -257,6 +300,9 @@ def _why(op: str, name: str, backend: str, chained: str) -> str:
         return "forced (backend=%r)" % backend
     if name == "reference":
         return "plain torch" if name == chained else "plain torch, for the calls the others do not take"
+    if op in PARTS and name == _parts_name(op):
+        how = " then ".join(PARTS[op][0])
+        return f"{how}, as the table serves them" + ("" if name == chained else ", for the calls the others do not take")
     row = next((r for r in auto.rows(op) if r.name == name), None)
     if row is None:
         return ""

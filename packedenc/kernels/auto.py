@@ -133,6 +133,10 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
         Row("cute", Evidence("ops_h200.json", "ms", "packedenc[cute]", "packedenc[triton]", ("geglu-64k",))),
         Row("triton", _MODEL),
     ),
+    "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens
+        Row("triton", None, why_not="not measured yet: modernbert family, packedenc[triton] against "
+                                    "packedenc[triton,rope-unfused] on query"),
+    ),
 }
 DEFAULT: tuple[Row, ...] = (Row("triton", _MODEL),)
 

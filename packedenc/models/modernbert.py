@@ -270,12 +270,12 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     else:
         h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
-    # positions restart per sequence; v comes back as its own tensor when training (see
-    # kernels/triton/rotary.py), so the attention's saved q, k, v do not pin the whole qkv too.
-    # qkv is this layer's own temporary: kernels may overwrite it in inference.
-    q_THK, k_THK, v_THK = ops.rotary(qkv_T3HK, positions_T, theta, with_v=True, overwrite_input=True)
+    # RoPE (positions restart per sequence), then attention: one kernel where the table fuses
+    # them, else rotary and varlen_attention. qkv is this layer's own temporary: kernels may
+    # overwrite it in inference.
     attn_drop = attention_dropout(cfg.attention_dropout, "attention_dropout", ops, seed, i)
-    o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, window=window, **attn_drop)
+    o_THK = ops.rotary_attention(qkv_T3HK, positions_T, theta, cu_seqlens, max_seqlen, window=window,
+                                 overwrite_input=True, **attn_drop)
     a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
     a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 

@@ -228,8 +228,10 @@ def test_describe_ops_names_every_op_its_choice_and_why():
     text = describe_ops("auto", "cpu")
     lines = text.splitlines()
     assert lines[0] == "packedenc ops, backend='auto' on cpu"
-    for op in OP_NAMES:
-        assert any(line.split()[:2] == [op, "reference"] for line in lines), op
+    for op in OP_NAMES:  # a composite op runs its parts (the reference ones here)
+        want = "rotary+varlen_attention" if op == "rotary_attention" else "reference"
+        assert any(line.split()[:2] == [op, want] for line in lines), op
+    assert "rotary then varlen_attention, as the table serves them" in text
     cuda = describe_ops("auto", "cuda")
     assert "(not cute)" in cuda and "not faster" in cuda  # layer_norm's quack row, measured and left out
     chosen = dict(get_ops("auto", "cuda").chosen)

@@ -26,7 +26,9 @@ def test_unknown_backend_is_a_config_error():
 def test_cpu_uses_the_reference_and_a_forced_gpu_backend_is_an_error():
     for backend in ("auto", "reference"):
         ops = get_ops(backend, "cpu")
-        assert all(b == "reference" for _, b in ops.chosen), (backend, ops.chosen)
+        chosen = dict(ops.chosen)  # composite ops run their parts, which are the reference here
+        assert chosen.pop("rotary_attention") == "rotary+varlen_attention"
+        assert all(b == "reference" for b in chosen.values()), (backend, ops.chosen)
         assert len(ops.chosen) == len(OP_NAMES)
     for backend in ("triton", "flash", "cute"):  # the caller asked for a kernel that cannot run there: say so
         with pytest.raises(ConfigError, match=rf"backend='{backend}' runs on CUDA tensors, but these are on cpu"):
@@ -234,3 +236,56 @@ def test_cli_info_ops_prints_every_op_without_a_model(capsys):
     assert "backend='auto' on cpu" in out
     for op in OP_NAMES:
         assert f"\n{op} " in out, op
+
+
+# ---- composite ops: rotary_attention = varlen_attention(*rotary(...)) -------------------------------
+
+
+def test_a_composite_op_ends_its_chain_with_its_parts_from_the_same_table():
+    from packedenc import kernels
+
+    usable = {"triton", "flash", "reference"}.__contains__
+    # auto: the fused row has no record yet, so the parts serve every call
+    assert kernels.choose("rotary_attention", "auto", "cuda", usable) == "rotary+varlen_attention"
+    assert kernels.choose("rotary_attention", "triton", "cuda", usable) == "triton>rotary+varlen_attention"
+    assert kernels.choose("rotary_attention", "reference", "cuda", usable) == "rotary+varlen_attention"
+    # the parts are the table's own entries: a call the fused kernel does not take reaches them
+    calls = []
+    rot = lambda qkv, pos, theta, scaling=1.0, with_v=False, overwrite_input=False: (  # noqa: E731
+        calls.append(("rotary", theta, with_v, overwrite_input)) or (qkv[:, 0], qkv[:, 1], qkv[:, 2]))
+    att = lambda q, k, v, cu, L, window=(-1, -1), scale=None, **kw: calls.append(("attn", L, window, kw)) or q  # noqa: E731
+    routed = kernels._entry("rotary_attention", "triton>rotary+varlen_attention",
+                            kernels.reference.compose_rotary_attention(rot, att))
+    qkv = torch.zeros(5, 3, 2, 4)
+    out = routed(qkv, torch.arange(5), 10.0, torch.tensor([0, 5], dtype=torch.int32), 5, window=(2, 2),
+                 overwrite_input=True)
+    assert calls == [("rotary", 10.0, True, True), ("attn", 5, (2, 2), {})] and out.shape == (5, 2, 4)
+
+
+def test_unfused_runs_a_composite_as_its_parts():
+    from packedenc import kernels
+
+    ops = kernels.unfused(get_ops("auto", "cpu"), "rotary_attention")
+    assert dict(ops.chosen)["rotary_attention"] == "rotary+varlen_attention"
+    qkv = torch.randn(9, 3, 2, 8)
+    cu, pos = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4])
+    want = kernels.reference.varlen_attention(*kernels.reference.rotary(qkv, pos, 100.0, with_v=True), cu, 5)
+    torch.testing.assert_close(ops.rotary_attention(qkv, pos, 100.0, cu, 5), want)
+
+
+def test_modernbert_calls_rotary_attention_once_per_layer():
+    params = _tiny_modernbert()
+    b = pe.pack([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])
+    base = get_ops("reference", "cpu")
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("window"))
+        return base.rotary_attention(*args, **kwargs)
+
+    import dataclasses
+
+    ops = dataclasses.replace(base, rotary_attention=spy)
+    out = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops)
+    assert seen == [(-1, -1), (2, 2)]  # layer 0 global, layer 1 local (local_attention 4)
+    torch.testing.assert_close(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference"))

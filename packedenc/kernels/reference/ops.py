@@ -10,6 +10,8 @@ Shapes: T packed tokens, S sequences, D hidden, H heads, K head dim, F mlp width
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -40,6 +42,8 @@ __all__ = [
     "deberta_attention",
     "varlen_conv1d",
     "linear_cross_entropy",
+    "rotary_attention",
+    "compose_rotary_attention",
 ]
 
 
@@ -219,6 +223,37 @@ def rotary(
     if with_v:
         return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1]), qkv_T3HK[:, 2]
     return rot(qkv_T3HK[:, 0]), rot(qkv_T3HK[:, 1])
+
+
+def compose_rotary_attention(rotary_fn: Callable, attention_fn: Callable) -> Callable:
+    """`rotary_attention` made of a table's own `rotary` and `varlen_attention` entries, one after
+    the other (the op table's last link for the calls no fused kernel takes)."""
+
+    def rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seqlens: Tensor, max_seqlen: int,
+                         window: tuple[int, int] = (-1, -1), scale: float | None = None, scaling: float = 1.0,
+                         overwrite_input: bool = False, **attention_kwargs) -> Tensor:
+        q, k, v = rotary_fn(qkv_T3HK, positions_T, theta, scaling, with_v=True, overwrite_input=overwrite_input)
+        return attention_fn(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale, **attention_kwargs)
+
+    return rotary_attention
+
+
+def rotary_attention(
+    qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seqlens: Tensor, max_seqlen: int,
+    window: tuple[int, int] = (-1, -1), scale: float | None = None, scaling: float = 1.0,
+    overwrite_input: bool = False, **attention_kwargs,
+) -> Tensor:
+    """RoPE on q and k of a fused Wqkv output, then varlen attention: `varlen_attention(*rotary(...))`.
+
+    Arguments: `rotary`'s (qkv_T3HK (T, 3, H, K), positions_T, theta, scaling, overwrite_input: the
+    caller no longer needs qkv) and `varlen_attention`'s (cu_seqlens, max_seqlen, window, scale,
+    and its dropout keywords). A fused kernel applies the rotation as it reads q and k (the rotated
+    values rounded to qkv's dtype, as the two ops give) and writes no rotated copy.
+    Return: (T, H, K) in qkv's dtype.
+    """
+    return compose_rotary_attention(rotary, varlen_attention)(
+        qkv_T3HK, positions_T, theta, cu_seqlens, max_seqlen, window, scale, scaling, overwrite_input,
+        **attention_kwargs)
 
 
 def graph_readout(

@@ -32,3 +32,5 @@ for _name, _fn in (
     register_impl("triton", _name, _fn)
 # full layers' fused fp16 / bf16 qkv only: the op table routes the rest (kernels/__init__.py)
 register_impl("triton", "graph_attention", attention_op.graph_attention, covers=attention_op.covers_graph)
+# eager inference on short sequences: the rest runs the table's rotary, then its varlen_attention
+register_impl("triton", "rotary_attention", attention_op.rotary_attention, covers=attention_op.covers_rotary_attention)

@@ -90,11 +90,25 @@ def _spans(CU, pid, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.cons
 
 
 @triton.jit
+def _rope(x, x_partner, pos, inv, sgn, scaling):
+    """x (rows, head dim) rotated by split-half RoPE, as `rotary.py` does: cos / sin of the fp32
+    angle pos * inv_freq rounded to x's dtype, rotation in fp32, one rounding. `x_partner` is x
+    with its halves swapped, `sgn` -1 on the first half and +1 on the second."""
+    ang = pos.to(tl.float32)[:, None] * inv[None, :]
+    c = (tl.cos(ang) * scaling).to(x.dtype).to(tl.float32)
+    s = (tl.sin(ang) * scaling).to(x.dtype).to(tl.float32) * sgn[None, :]
+    return (x.to(tl.float32) * c + x_partner.to(tl.float32) * s).to(x.dtype)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh, qk_scale,
-            offs_n, offs_k, kmask, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr,
-            PREC: tl.constexpr):
+            offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
+            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+            ROPE: tl.constexpr):
     """Online softmax over key tiles j_lo, j_lo + N, ... < j_hi. MASKED: per-row ranges [kl, kh)
-    and loads guarded at blk_hi; unmasked tiles lie inside every row's range (no compares)."""
+    and loads guarded at blk_hi; unmasked tiles lie inside every row's range (no compares).
+    ROPE: each key tile is rotated as it is read (`_rope`; positions POS, per-column inv, sgn,
+    partner columns)."""
     for j0 in range(j_lo, j_hi, BLOCK_N):
         cols = j0 + offs_n
         c64 = cols.to(tl.int64)[:, None]
@@ -110,6 +124,15 @@ def _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, b
         else:
             k = tl.load(kp, mask=kmask[None, :], other=0.0)
             v = tl.load(vp, mask=kmask[None, :], other=0.0)
+        if ROPE:
+            kpp = K + c64 * s_k_t + h * s_k_h + partner[None, :]
+            if MASKED:
+                k_partner = tl.load(kpp, mask=cmask, other=0.0)
+                pos = tl.load(POS + cols, mask=cols < blk_hi, other=0)
+            else:
+                k_partner = tl.load(kpp, mask=kmask[None, :], other=0.0)
+                pos = tl.load(POS + cols)
+            k = _rope(k, k_partner, pos, inv, sgn, scaling)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:
             keep = (cols[None, :] >= kl[:, None]) & (cols[None, :] < kh[:, None])
@@ -136,11 +159,13 @@ def _fwd_kernel(
     left, right,  # window; read only when WINDOW_L / WINDOW_R
     qk_scale,  # scale * log2(e), > 0
     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h,  # strides in elements
+    POS, INV_FREQ, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies, HF's attention_scaling
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
     STORE_LSE: tl.constexpr,
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
+    ROPE: tl.constexpr = False,  # rotate q and k (split-half RoPE) as they are read: inference only
 ):
     h = tl.program_id(1).to(tl.int64)
     rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
@@ -149,16 +174,30 @@ def _fwd_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
     r64 = rows.to(tl.int64)[:, None]
-    q = tl.load(Q + r64 * s_q_t + h * s_q_h + offs_k[None, :], mask=in_t[:, None] & kmask[None, :], other=0.0)
+    qmask = in_t[:, None] & kmask[None, :]
+    q = tl.load(Q + r64 * s_q_t + h * s_q_h + offs_k[None, :], mask=qmask, other=0.0)
+    # split-half RoPE: column d pairs with d -/+ K/2 (a no-op set of values when not ROPE)
+    half = HEAD_DIM // 2
+    first = offs_k < half
+    partner = tl.where(first, offs_k + half, offs_k - half)
+    sgn = tl.where(first, -1.0, 1.0)
+    inv = tl.zeros([BLOCK_K], tl.float32)
+    if ROPE:
+        inv = tl.load(INV_FREQ + tl.where(first, offs_k, offs_k - half), mask=kmask, other=0.0)
+        q_partner = tl.load(Q + r64 * s_q_t + h * s_q_h + partner[None, :], mask=qmask, other=0.0)
+        q = _rope(q, q_partner, tl.load(POS + rows, mask=in_t, other=0), inv, sgn, scaling)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi,
-                            kl, kh, qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC)
+                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
+                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi,
-                            kl, kh, qk_scale, offs_n, offs_k, kmask, BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC)
+                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
+                            BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC, ROPE)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi,
-                            kl, kh, qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC)
+                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
+                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only invalid rows have no key
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
     tl.store(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
@@ -230,13 +269,16 @@ def attention_fwd(
     q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
     window: tuple[int, int], scale: float, *, lse: bool,
     tile: tuple[int, int, int, int] | None = None,
+    rope: tuple[Tensor, Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     Inputs are checked by the caller (`attention_op`): same (T, H, K) shape and float dtype, head
     dim contiguous and <= MAX_HEAD_DIM, cu_seqlens (S + 1,) int32 contiguous, scale > 0.
     Return: (out (T, H, K) contiguous in q's dtype, LSE2 (H, T) fp32 when `lse` else None).
-    `tile` overrides `tiles(...)` (benchmarks, tests).
+    `tile` overrides `tiles(...)` (benchmarks, tests). `rope` = (positions (T,) int contiguous,
+    inv_freq (K/2,) fp32, scaling): q and k are rotated as they are read (even K; the key tiles
+    are rotated once per query block that reads them, so this pays off on short sequences).
     """
     T, H, Kd = q_THK.shape
     o = torch.empty((T, H, Kd), dtype=q_THK.dtype, device=q_THK.device)
@@ -251,6 +293,7 @@ def attention_fwd(
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], H * Kd, Kd,  # o is contiguous
-        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, num_warps=warps, num_stages=stages, **meta,
+        *(rope if rope is not None else (cu_seqlens, o, 1.0)),  # unused pointers without RoPE
+        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, num_warps=warps, num_stages=stages, **meta,
     )
     return o, lse2

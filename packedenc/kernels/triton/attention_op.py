@@ -16,8 +16,9 @@ the same launchers (`eager_autograd`); torch.compile, functorch and the CPU go t
 backward is always the Triton dQ and dK/dV kernels.
 
 Entries (reference signatures): `varlen_attention` (every input it is given, or a clear error:
-there is no hand-off to another library) and `graph_attention` for the inputs `covers_graph`
-accepts; the op table routes the rest of graph_attention's inputs, visibly (kernels/__init__.py).
+there is no hand-off to another library), `graph_attention` for the inputs `covers_graph`
+accepts and `rotary_attention` (RoPE applied as the forward reads q and k) for those
+`covers_rotary_attention` accepts; the op table routes the rest, visibly (kernels/__init__.py).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from packedenc.kernels import reference
 from packedenc.kernels.graph_attention import fold_key_bias_qkv
 from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
-from packedenc.kernels.triton.attention import MAX_HEAD_DIM, attention_fwd
+from packedenc.kernels.triton.attention import MAX_HEAD_DIM, SHORT_SEQLEN, attention_fwd
 from packedenc.kernels.triton.attention_bwd import attention_bwd
+from packedenc.kernels.triton.rotary import _inv_freq
 
-__all__ = ["varlen_attention", "graph_attention", "covers_graph", "attention", "check_inputs"]
+__all__ = ["varlen_attention", "graph_attention", "covers_graph", "attention", "check_inputs",
+           "rotary_attention", "covers_rotary_attention"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -224,3 +227,44 @@ def graph_attention(
     qkv = q_QHK if key_bias_TH is None else fold_key_bias_qkv(q_QHK, key_bias_TH, scale)
     out = attention(qkv, None, None, cu_seqlens_k, max_seqlen_k, (-1, -1), scale)
     return out if key_bias_TH is None else out[..., :K]
+
+
+# ---- RoPE read inside the forward (inference on short sequences) -----------------------------------
+
+
+def covers_rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seqlens: Tensor,
+                            max_seqlen: int, window: tuple[int, int] = (-1, -1), scale: float | None = None,
+                            scaling: float = 1.0, overwrite_input: bool = False, **attention_kwargs) -> bool:
+    """The rotary_attention calls the fused forward takes (host values only): eager inference on
+    CUDA (it has no backward), sequences of at most SHORT_SEQLEN tokens (a key tile is rotated once
+    per query block that reads it: two or three times on short packs, tens of times over a long
+    sequence), no attention dropout, an even head dim. The table sends the rest to rotary, then
+    varlen_attention."""
+    return (not attention_kwargs and max_seqlen <= SHORT_SEQLEN and qkv_T3HK.dim() == 4
+            and qkv_T3HK.shape[-1] % 2 == 0 and direct_launch(qkv_T3HK))
+
+
+def rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seqlens: Tensor, max_seqlen: int,
+                     window: tuple[int, int] = (-1, -1), scale: float | None = None, scaling: float = 1.0,
+                     overwrite_input: bool = False) -> Tensor:
+    """`reference.rotary_attention` in one kernel: the forward rotates q and k as it reads them
+    from the (T, 3, H, K) qkv buffer (no rotated copy, no rotary launch). qkv is only read.
+
+    Return: (T, H, K) in qkv's dtype. No gradient: `covers_rotary_attention` keeps training away.
+    """
+    if qkv_T3HK.dim() != 4 or qkv_T3HK.shape[1] != 3 or qkv_T3HK.shape[-1] % 2:
+        raise InputError(f"rotary_attention: qkv must be (T, 3, H, K) with an even K, got {tuple(qkv_T3HK.shape)}")
+    q, k, v = qkv_T3HK.unbind(1)
+    scale = check_inputs(q, k, v, cu_seqlens, scale)
+    T = q.shape[0]
+    if (positions_T.shape != (T,) or positions_T.is_floating_point() or positions_T.dtype == torch.bool
+            or positions_T.device != q.device):
+        raise InputError(f"rotary_attention: positions must be ({T},) integers on {q.device}, got "
+                         f"{positions_T.dtype} {tuple(positions_T.shape)} on {positions_T.device}")
+    if q.stride(-1) != 1:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    if not cu_seqlens.is_contiguous():
+        cu_seqlens = cu_seqlens.contiguous()
+    rope = (positions_T.contiguous(), _inv_freq(q.shape[-1], theta, q.device), float(scaling))
+    return attention_fwd(q, k, v, cu_seqlens, max_seqlen, (int(window[0]), int(window[1])), scale, lse=False,
+                         rope=rope)[0]
