@@ -2,10 +2,13 @@
 
 Without a CUDA GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
 any kernel module is imported (triton picks the mode when `@triton.jit` decorates), so it is set
-here, at collection time. Tests marked `gpu` are skipped without a GPU.
+here, at collection time. Tests marked `gpu` are skipped without a GPU. CuteDSL's compile cache
+(`kernels/cute/compile_cache.py`) goes to a temporary folder of this session, not the user's.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +16,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+_CUTE_CACHE = os.environ["PACKEDENC_CUTE_CACHE"] = tempfile.mkdtemp(prefix="packedenc-cute-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CUTE_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,18 +13,21 @@ quack-kernels' CuteDSL LayerNorm, forward and backward, fp16 / bf16, D % 8 == 0 
 Without the extra, `backend="cute"` raises a ConfigError that names it; "auto" never picks it.
 Whether "auto" picks it where it is installed is `kernels/auto.py`'s table, from measurements.
 
-## Compile cache (why the first call of each kernel takes ~0.5 s)
+## Compile caches (why the first call of each kernel takes ~0.5-1 s)
 
-CuteDSL compiles each kernel (per dtype, head dim, window / global, training or not) the first
-time it runs in a process. FA4 keeps the compiled kernels on disk when asked to, before
-`flash_attn.cute` is first imported (it reads the variables at import):
+CuteDSL compiles each kernel (per dtype, head dim, window / global, training or not; per model
+width for the GeGLU GEMM) the first time it runs in a process. Both kinds are kept on disk:
+
+- our GeGLU GEMM (`geglu_gemm.py`), always, by `compile_cache.py`: under
+  `~/.cache/packedenc/cute` (`PACKEDENC_CUTE_CACHE=/path` moves it, `=off` turns it off);
+- FA4's attention, when asked to, before `flash_attn.cute` is first imported (it reads the
+  variables at import):
 
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
     export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=~/.cache/packedenc/fa4   # default: $TMPDIR/$USER/...
-    python -m packedenc.kernels.cute --head-dims 64 --dtypes bf16      # warm it once per machine
+    python -m packedenc.kernels.cute --head-dims 64 --dtypes bf16      # warm both once per machine
 
-Later processes with the same two variables load the kernels instead of compiling them. The cache
-is keyed by the FA4 / cutlass / Python versions, so an upgrade recompiles on first use.
-The GeGLU GEMM (`geglu_gemm.py`) keeps its compiled kernels in memory only, one per (dtype, D, F,
-tile): the first linear_glu call of a process at a model width compiles for about a second.
+Later processes (with the same two variables) load the kernels instead of compiling them. Both
+caches are keyed by the kernel sources and the cutlass / Python versions, so an upgrade
+recompiles on first use.
 """

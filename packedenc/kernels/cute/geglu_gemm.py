@@ -21,6 +21,7 @@ epilogue are ours. Requires CUTE_DSL's sm_90a target (WGMMA does not exist on sm
 
 import dataclasses
 import math
+from pathlib import Path
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,6 +33,8 @@ import torch
 from cutlass.cute.runtime import make_ptr
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
+
+from packedenc.kernels.cute import compile_cache
 
 __all__ = ["Tile", "DEFAULT_TILE", "geglu", "compiled", "smem_bytes"]
 
@@ -342,9 +345,10 @@ class GegluGemm:
             store_pipe.producer_tail()
 
 
-# ---- host side: compile once per (dtype, D, F, tile), launch per call -------------------------------
+# ---- host side: compile once per (dtype, D, F, tile) and machine, launch per call -------------------
 
 _COMPILED: dict[tuple, object] = {}
+HOW: dict[tuple, str] = {}  # key -> "loaded" / "compiled" / ... (compile_cache.load_or_compile's word)
 
 
 def _null(dtype) -> cute.Pointer:
@@ -352,12 +356,15 @@ def _null(dtype) -> cute.Pointer:
 
 
 def compiled(dtype: torch.dtype, D: int, F: int, tile: Tile = DEFAULT_TILE):
-    """The compiled kernel for these static sizes (T stays a runtime argument); compiles on first use."""
+    """The compiled kernel for these static sizes (T stays a runtime argument): from this process's
+    memory, else from the on-disk compile cache (`compile_cache.py`), else compiled (~1 s) and cached."""
     key = (dtype, D, F, tile)
     if key not in _COMPILED:
         cdt = DTYPES[dtype]
-        _COMPILED[key] = cute.compile(GegluGemm(cdt, D, F, tile), _null(cdt), _null(cdt), _null(cdt),
-                                      cutlass.Int32(1), cuda.CUstream(0))
+        _COMPILED[key], HOW[key] = compile_cache.load_or_compile(
+            key, (Path(__file__),),
+            lambda: cute.compile(GegluGemm(cdt, D, F, tile), _null(cdt), _null(cdt), _null(cdt),
+                                 cutlass.Int32(1), cuda.CUstream(0)))
     return _COMPILED[key]
 
 
