@@ -20,18 +20,21 @@ MIXED = (1, 2, 5, 3, 20, 1, 17, 2)  # 1- and 2-token sequences, blocks straddlin
 TINY = (16, 16, 4, 1)
 
 
-def _fused(qkv, pos, theta, cu, L, window, scaling=1.0, tile=TINY):
+def _fused(qkv, pos, theta, cu, L, window, scaling=1.0, tile=TINY, table=128):
+    """`table`: positions in the cos / sin table; tiles with a position past it compute their own."""
     q, k, v = qkv.unbind(1)
-    rope = (pos, _inv_freq(qkv.shape[-1], theta, qkv.device), scaling)
+    inv = _inv_freq(qkv.shape[-1], theta, qkv.device)
+    rope = (pos, inv, A.rope_table(inv, table, scaling, qkv.dtype), scaling)
     return A.attention_fwd(q, k, v, cu, L, window, qkv.shape[-1] ** -0.5, lse=False, tile=tile, rope=rope)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [(-1, -1), (2, 2), (3, -1)])
 @pytest.mark.parametrize("K,theta", [(16, 10000.0), (24, 160000.0)])  # 24: a masked head-dim tail
-def test_fused_forward_matches_the_reference(dtype, window, K, theta):
+@pytest.mark.parametrize("table", [128, 4])  # 4: the tiles holding positions >= 4 compute cos / sin
+def test_fused_forward_matches_the_reference(dtype, window, K, theta, table):
     qkv, pos, cu = torch.randn(sum(MIXED), 3, 2, K).to(DEVICE, dtype), positions(MIXED), cu_seqlens(MIXED)
-    got = _fused(qkv, pos, theta, cu, max(MIXED), window)
+    got = _fused(qkv, pos, theta, cu, max(MIXED), window, table=table)
     want32 = reference.rotary_attention(qkv.float(), pos, theta, cu, max(MIXED), window)
     want = reference.rotary_attention(qkv, pos, theta, cu, max(MIXED), window)
     assert_close_to_ref(got, want32, want, atol=1e-5 if dtype == torch.float32 else 1e-3, what="out")
@@ -41,9 +44,21 @@ def test_positions_and_scaling_are_taken_as_given():
     # positions that do not restart at 0 and HF's attention_scaling != 1: the same numbers as the reference
     qkv, cu = torch.randn(sum(MIXED), 3, 2, 16).to(DEVICE), cu_seqlens(MIXED)
     pos = positions(MIXED) * 3 + 100
-    got = _fused(qkv, pos, 10000.0, cu, max(MIXED), (-1, -1), scaling=0.7)
     want = reference.rotary_attention(qkv, pos, 10000.0, cu, max(MIXED), scaling=0.7)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    for table in (128, 256):  # positions 100..157: some past the table, then all inside it
+        got = _fused(qkv, pos, 10000.0, cu, max(MIXED), (-1, -1), scaling=0.7, table=table)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_table_holds_what_rotary_computes():
+    inv = _inv_freq(24, 160000.0, torch.device(DEVICE))
+    for dtype in (torch.float32, torch.bfloat16):
+        t = A.rope_table(inv, 50, 0.7, dtype)
+        assert t.shape == (50, 2, 32) and t.dtype == torch.float32 and not t[:, :, 24:].any()
+        ang = torch.arange(50, dtype=torch.float32, device=inv.device)[:, None] * inv[None, :]
+        cos, sin = ((f(ang) * 0.7).to(dtype).float() for f in (torch.cos, torch.sin))
+        assert torch.equal(t[:, 0, :24], torch.cat((cos, cos), 1))
+        assert torch.equal(t[:, 1, :24], torch.cat((-sin, sin), 1))
 
 
 def test_sequences_stay_apart():

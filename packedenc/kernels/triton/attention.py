@@ -90,25 +90,36 @@ def _spans(CU, pid, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.cons
 
 
 @triton.jit
-def _rope(x, x_partner, pos, inv, sgn, scaling):
+def _rope(x, x_partner, pos, CS, P, offs_k, inv, sgn, scaling, BLOCK_K: tl.constexpr):
     """x (rows, head dim) rotated by split-half RoPE, as `rotary.py` does: cos / sin of the fp32
     angle pos * inv_freq rounded to x's dtype, rotation in fp32, one rounding. `x_partner` is x
-    with its halves swapped, `sgn` -1 on the first half and +1 on the second."""
-    ang = pos.to(tl.float32)[:, None] * inv[None, :]
-    c = (tl.cos(ang) * scaling).to(x.dtype).to(tl.float32)
-    s = (tl.sin(ang) * scaling).to(x.dtype).to(tl.float32) * sgn[None, :]
+    with its halves swapped, `sgn` -1 on the first half and +1 on the second.
+
+    cos / sin come from the table CS (P, 2, BLOCK_K) fp32 (`rope_table`: the same rounded values,
+    sin signed) when every row's position is below P; otherwise they are computed here. The
+    table is why the fused forward costs the GPU no more than the two ops it replaces: each key
+    tile is rotated once per head and per query block that reads it, too many cos / sin for the
+    SFU (the rotary kernel takes them once per token for all heads)."""
+    if tl.max(pos, 0) < P:
+        cs = CS + pos.to(tl.int64)[:, None] * (2 * BLOCK_K) + offs_k[None, :]
+        c = tl.load(cs)
+        s = tl.load(cs + BLOCK_K)
+    else:
+        ang = pos.to(tl.float32)[:, None] * inv[None, :]
+        c = (tl.cos(ang) * scaling).to(x.dtype).to(tl.float32)
+        s = (tl.sin(ang) * scaling).to(x.dtype).to(tl.float32) * sgn[None, :]
     return (x.to(tl.float32) * c + x_partner.to(tl.float32) * s).to(x.dtype)
 
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh, qk_scale,
-            offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
+            offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-            ROPE: tl.constexpr):
+            ROPE: tl.constexpr, BLOCK_K: tl.constexpr):
     """Online softmax over key tiles j_lo, j_lo + N, ... < j_hi. MASKED: per-row ranges [kl, kh)
     and loads guarded at blk_hi; unmasked tiles lie inside every row's range (no compares).
-    ROPE: each key tile is rotated as it is read (`_rope`; positions POS, per-column inv, sgn,
-    partner columns)."""
+    ROPE: each key tile is rotated as it is read (`_rope`; positions POS, table CS of P positions,
+    per-column inv, sgn, partner columns)."""
     for j0 in range(j_lo, j_hi, BLOCK_N):
         cols = j0 + offs_n
         c64 = cols.to(tl.int64)[:, None]
@@ -132,7 +143,7 @@ def _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, b
             else:
                 k_partner = tl.load(kpp, mask=kmask[None, :], other=0.0)
                 pos = tl.load(POS + cols)
-            k = _rope(k, k_partner, pos, inv, sgn, scaling)
+            k = _rope(k, k_partner, pos, CS, P, offs_k, inv, sgn, scaling, BLOCK_K)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:
             keep = (cols[None, :] >= kl[:, None]) & (cols[None, :] < kh[:, None])
@@ -159,7 +170,8 @@ def _fwd_kernel(
     left, right,  # window; read only when WINDOW_L / WINDOW_R
     qk_scale,  # scale * log2(e), > 0
     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h,  # strides in elements
-    POS, INV_FREQ, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies, HF's attention_scaling
+    POS, INV_FREQ, CS, P, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies,
+    # (P, 2, BLOCK_K) fp32 cos / signed sin table of positions < P, HF's attention_scaling
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
@@ -185,19 +197,19 @@ def _fwd_kernel(
     if ROPE:
         inv = tl.load(INV_FREQ + tl.where(first, offs_k, offs_k - half), mask=kmask, other=0.0)
         q_partner = tl.load(Q + r64 * s_q_t + h * s_q_h + partner[None, :], mask=qmask, other=0.0)
-        q = _rope(q, q_partner, tl.load(POS + rows, mask=in_t, other=0), inv, sgn, scaling)
+        q = _rope(q, q_partner, tl.load(POS + rows, mask=in_t, other=0), CS, P, offs_k, inv, sgn, scaling, BLOCK_K)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi,
-                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
-                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE)
+                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
+                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi,
-                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
-                            BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC, ROPE)
+                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
+                            BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi,
-                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, inv, sgn, partner, scaling,
-                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE)
+                            kl, kh, qk_scale, offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
+                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only invalid rows have no key
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
     tl.store(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
@@ -254,6 +266,25 @@ def _meta(Kd: int, window_l: bool, window_r: bool, fp32: bool) -> dict:
                 PREC="ieee" if fp32 else "tf32")
 
 
+def rope_table(inv_freq: Tensor, positions: int, scaling: float, dtype: torch.dtype) -> Tensor:
+    """(positions, 2, BLOCK_K) fp32: cos and signed sin of split-half RoPE for positions
+    0 .. positions - 1, computed and rounded to `dtype` as `reference.rotary` does (fp32 angle
+    pos * inv_freq, cos / sin times scaling, rounded to the activation dtype); sin is negated on
+    the first half (the rotation's sign), columns past K are 0. The fused forward's `_rope` reads it."""
+    J = inv_freq.shape[0]
+    ang = torch.arange(positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos = (ang.cos() * scaling).to(dtype).float()
+    sin = (ang.sin() * scaling).to(dtype).float()
+    table = torch.zeros((positions, 2, max(16, next_pow2(2 * J))), device=inv_freq.device, dtype=torch.float32)
+    table[:, 0, :2 * J] = torch.cat((cos, cos), 1)
+    table[:, 1, :2 * J] = torch.cat((-sin, sin), 1)
+    return table
+
+
+def _rope_args(positions: Tensor, inv_freq: Tensor, table: Tensor, scaling: float) -> tuple:
+    return positions, inv_freq, table, table.shape[0], scaling
+
+
 def launch_args(q: Tensor, cu_seqlens: Tensor, window: tuple[int, int], scale: float):
     """(S, n_steps, left, right, qk_scale, constexprs) shared by the three kernels' launches.
     The constexpr dict is shared between calls: read it, never change it."""
@@ -269,7 +300,7 @@ def attention_fwd(
     q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
     window: tuple[int, int], scale: float, *, lse: bool,
     tile: tuple[int, int, int, int] | None = None,
-    rope: tuple[Tensor, Tensor, float] | None = None,
+    rope: tuple[Tensor, Tensor, Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
@@ -277,8 +308,9 @@ def attention_fwd(
     dim contiguous and <= MAX_HEAD_DIM, cu_seqlens (S + 1,) int32 contiguous, scale > 0.
     Return: (out (T, H, K) contiguous in q's dtype, LSE2 (H, T) fp32 when `lse` else None).
     `tile` overrides `tiles(...)` (benchmarks, tests). `rope` = (positions (T,) int contiguous,
-    inv_freq (K/2,) fp32, scaling): q and k are rotated as they are read (even K; the key tiles
-    are rotated once per query block that reads them, so this pays off on short sequences).
+    inv_freq (K/2,) fp32, table (P, 2, BLOCK_K) fp32 from `rope_table`, scaling): q and k
+    are rotated as they are read (even K; the key tiles are rotated once per query block that
+    reads them, so this pays off on short sequences).
     """
     T, H, Kd = q_THK.shape
     o = torch.empty((T, H, Kd), dtype=q_THK.dtype, device=q_THK.device)
@@ -293,7 +325,7 @@ def attention_fwd(
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], H * Kd, Kd,  # o is contiguous
-        *(rope if rope is not None else (cu_seqlens, o, 1.0)),  # unused pointers without RoPE
+        *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)),  # unused without RoPE
         BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, num_warps=warps, num_stages=stages, **meta,
     )
     return o, lse2

@@ -31,7 +31,7 @@ from packedenc.kernels import reference
 from packedenc.kernels.graph_attention import fold_key_bias_qkv
 from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
-from packedenc.kernels.triton.attention import MAX_HEAD_DIM, SHORT_SEQLEN, attention_fwd
+from packedenc.kernels.triton.attention import MAX_HEAD_DIM, SHORT_SEQLEN, attention_fwd, rope_table
 from packedenc.kernels.triton.attention_bwd import attention_bwd
 from packedenc.kernels.triton.rotary import _inv_freq
 
@@ -232,6 +232,21 @@ def graph_attention(
 # ---- RoPE read inside the forward (inference on short sequences) -----------------------------------
 
 
+_ROPE_TABLES: dict[tuple, Tensor] = {}
+
+
+def _rope_table(inv_freq: Tensor, theta: float, scaling: float, dtype: torch.dtype) -> Tensor:
+    """`attention.rope_table` for positions below SHORT_SEQLEN (those of every call the fused
+    forward covers; a larger position is computed in the kernel), cached per model setting."""
+    key = (inv_freq.shape[0], float(theta), scaling, dtype, inv_freq.device)
+    table = _ROPE_TABLES.get(key)
+    if table is None:
+        table = rope_table(inv_freq, SHORT_SEQLEN, scaling, dtype)
+        if not (inv_freq.is_cuda and torch.cuda.is_current_stream_capturing()):  # not the graph pool's memory
+            _ROPE_TABLES[key] = table
+    return table
+
+
 def covers_rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seqlens: Tensor,
                             max_seqlen: int, window: tuple[int, int] = (-1, -1), scale: float | None = None,
                             scaling: float = 1.0, overwrite_input: bool = False, **attention_kwargs) -> bool:
@@ -265,6 +280,7 @@ def rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seq
         q, k, v = (t.contiguous() for t in (q, k, v))
     if not cu_seqlens.is_contiguous():
         cu_seqlens = cu_seqlens.contiguous()
-    rope = (positions_T.contiguous(), _inv_freq(q.shape[-1], theta, q.device), float(scaling))
+    inv_freq = _inv_freq(q.shape[-1], theta, q.device)
+    rope = (positions_T.contiguous(), inv_freq, _rope_table(inv_freq, theta, float(scaling), q.dtype), float(scaling))
     return attention_fwd(q, k, v, cu_seqlens, max_seqlen, (int(window[0]), int(window[1])), scale, lse=False,
                          rope=rope)[0]
