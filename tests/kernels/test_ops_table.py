@@ -245,8 +245,8 @@ def test_a_composite_op_ends_its_chain_with_its_parts_from_the_same_table():
     from packedenc import kernels
 
     usable = {"triton", "flash", "reference"}.__contains__
-    # auto: the fused row has no record yet, so the parts serve every call
-    assert kernels.choose("rotary_attention", "auto", "cuda", usable) == "rotary+varlen_attention"
+    # auto: the fused row's record, then the parts for the calls it does not take
+    assert kernels.choose("rotary_attention", "auto", "cuda", usable) == "triton>rotary+varlen_attention"
     assert kernels.choose("rotary_attention", "triton", "cuda", usable) == "triton>rotary+varlen_attention"
     assert kernels.choose("rotary_attention", "reference", "cuda", usable) == "rotary+varlen_attention"
     # the parts are the table's own entries: a call the fused kernel does not take reaches them
