@@ -6,6 +6,11 @@
 `--tiny` shrinks models and workloads for a CPU smoke run of the harness (`tests/test_benchmarks.py`);
 `--quick` keeps the real models with fewer, shorter repetitions. Both write to their own files
 (`<family>_<gpu>_tiny.json`, `_quick.json`), never over the full run's records.
+
+`--passes 2` (the inference families) times every system twice, in the family's order and then in
+reverse, and records the median of the passes (each pass's figure in `*_passes`): a host whose
+speed drifts during a run (the GPU machines' hosts do, by tens of percent) then biases no system
+for its place in the order. Use it for A/B comparisons that decide a row of `kernels/auto.py`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ def parser(family: str, description: str) -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--no-write", action="store_true", help="print only; write no records")
     return ap
+
+
+def add_passes(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--passes N` (the inference families: modernbert, deberta, bert)."""
+    ap.add_argument("--passes", type=_positive, default=1,
+                    help="time every system N times, every other pass in reverse order; records the median")
+    return ap
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
 
 
 def device_of(args: argparse.Namespace) -> torch.device | None:

@@ -312,6 +312,52 @@ def _run_one(system: System, w: Workload, cfg: BenchConfig, run: Run, tag: str,
         reset_memory(dev)
 
 
+# Per-pass figures: the median over passes is recorded, each pass's value in `<field>_passes`
+_PASS_MEDIANS = ("tokens_per_s", "ms_per_batch", "host_ms", "device_ms")
+_PASS_MAXIMA = ("peak_reserved_gb", "peak_allocated_gb")
+
+
+def run_passes(systems: Sequence[System], passes: int, run_one: Callable[[System], tuple[list[dict[str, Any]], Any]]
+               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`run_one(system)` -> (records, probe) for every system, `passes` times, every other pass in
+    reverse order; returns (one record per (system, workload), each system's first probe).
+
+    A record's timings are the median over the passes (`<field>_passes` lists them in pass order),
+    its peak memory the largest; a (system, workload) that did not run ok in every pass keeps the
+    first such record (failed or skipped), never a figure from the passes that worked."""
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    probes: dict[str, Any] = {}
+    for p in range(passes):
+        for system in (systems if p % 2 == 0 else list(reversed(systems))):
+            if passes > 1:
+                print(f"--- pass {p + 1}/{passes}: {system.name}", flush=True)
+            recs, probe = run_one(system)
+            probes.setdefault(system.name, probe)
+            for r in recs:
+                by_key.setdefault((r["system"], r["workload"]), []).append(r)
+    order = {s.name: i for i, s in enumerate(systems)}
+    merged = [_merge_passes(rs) for _, rs in sorted(by_key.items(), key=lambda kv: order.get(kv[0][0], len(order)))]
+    return merged, probes
+
+
+def _merge_passes(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(recs) == 1:
+        return recs[0]
+    bad = [r for r in recs if r.get("status", "ok") != "ok"]
+    if bad:
+        return {**bad[0], "passes": len(recs)}
+    out = {**recs[0], "passes": len(recs)}
+    for f in _PASS_MEDIANS:
+        vals = [r.get(f) for r in recs]
+        if all(isinstance(v, (int, float)) for v in vals):
+            out[f], out[f"{f}_passes"] = statistics.median(vals), vals
+    for f in _PASS_MAXIMA:
+        vals = [r.get(f) for r in recs if isinstance(r.get(f), (int, float))]
+        if vals:
+            out[f] = max(vals)
+    return out
+
+
 def profile_call(fn: Callable[[], Any], device: torch.device, title: str, top: int = 15) -> None:
     """torch.profiler's top ops of one `fn()` call: by self device time, then by self host time."""
     from torch.profiler import ProfilerActivity, profile

@@ -140,7 +140,7 @@ def _workloads(bench: ModelBench, names: list[str], vocab: int, args: Any) -> li
 def main(argv: list[str] | None, family: str) -> int:
     """`python -m benchmarks <family>` for family in modernbert, deberta, bert."""
     bench = _benches()[family]
-    args = cli.parser(family, __doc__).parse_args(argv)
+    args = cli.add_passes(cli.parser(family, __doc__)).parse_args(argv)
     device = cli.device_of(args)
     if device is None:
         return 2
@@ -156,13 +156,10 @@ def main(argv: list[str] | None, family: str) -> int:
     systems = cli.select(bench.make_systems(host_params, device), args.systems)
     cfg = cli.bench_config(args, device)
     probe = workloads[0].batch_of(workloads[0].batches[0][:16])
-    records: list[dict[str, Any]] = []
-    probes: dict[str, Any] = {}
     model = {"modernbert": "modernbert-base", "deberta": "deberta-v3-base", "bert": "bert-base"}[family]
     fields = dict(model=model.replace("base", "tiny") if args.tiny else model, dtype=str(dtype).replace("torch.", ""))
-    for system in systems:
-        recs, probes[system.name] = common.run_system(system, workloads, cfg, run, probe, **fields)
-        records += recs
+    records, probes = common.run_passes(
+        systems, args.passes, lambda system: common.run_system(system, workloads, cfg, run, probe, **fields))
     cos = common.probe_min_cos(probes, bench.reference)
     for r in records:
         r["probe_min_cos"] = cos.get(r["system"])

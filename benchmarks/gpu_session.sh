@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
+#   bash benchmarks/gpu_session.sh ab-query     # ModernBERT query: auto vs the fused RoPE forward vs its parts, two passes
 #   bash benchmarks/gpu_session.sh train        # train family, ModernBERT-base
 #   bash benchmarks/gpu_session.sh train-deberta  # train family, DeBERTa-v3-base (DisentangledFlash from .whl)
 #   bash benchmarks/gpu_session.sh small        # bert, graph and embed families
@@ -62,7 +63,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -78,7 +79,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -139,6 +140,9 @@ case "$stage" in
         timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
     attention-sweep)  # the family with its tile sweep
         timeout 320 python3 -m benchmarks attention --sweep --out "$out" 2>&1 | tee "$out/attention-sweep.log" | tail -45 ;;
+    ab-query)  # an A/B on the host-bound query batches: every system twice, the order reversed
+        bench 190 modernbert --workloads query --reps 15 --passes 2 \
+            --systems packedenc 'packedenc[triton]' 'packedenc[triton,rope-unfused]' torch-packed ;;
     attention-short)  # the sweep on the short-sequence workloads alone
         timeout 200 python3 -m benchmarks attention --sweep --only query-64k,query-64k-window --out "$out" 2>&1 \
             | tee "$out/attention-short.log" | tail -40 ;;

@@ -229,3 +229,40 @@ def test_replace_text_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
     monkeypatch.undo()
     records.replace_text(target, "new")
     assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+
+
+def test_passes_reverse_the_order_and_record_the_median():
+    class S:
+        def __init__(self, name):
+            self.name = name
+
+    systems = [S("a"), S("b"), S("c")]
+    seen, speed = [], {"a": [10.0, 30.0], "b": [20.0, 20.0], "c": [5.0, 7.0]}
+
+    def run_one(system):
+        seen.append(system.name)
+        k = sum(1 for n in seen if n == system.name) - 1
+        ok = not (system.name == "c" and k == 1)  # c fails in its second pass
+        rec = {"system": system.name, "workload": "w", "status": "ok" if ok else "failed",
+               "tokens_per_s": speed[system.name][k] if ok else None, "ms_per_batch": 1.0 + k,
+               "host_ms": 2.0, "device_ms": None, "peak_reserved_gb": 1.0 + k}
+        return [rec], f"probe-{system.name}-{k}"
+
+    merged, probes = common.run_passes(systems, 2, run_one)
+    assert seen == ["a", "b", "c", "c", "b", "a"]  # every other pass in reverse: no system always first
+    by = {r["system"]: r for r in merged}
+    assert [r["system"] for r in merged] == ["a", "b", "c"]
+    assert by["a"]["tokens_per_s"] == 20.0 and by["a"]["tokens_per_s_passes"] == [10.0, 30.0]
+    assert by["a"]["ms_per_batch"] == 1.5 and by["a"]["peak_reserved_gb"] == 2.0 and by["a"]["passes"] == 2
+    assert by["a"]["device_ms"] is None and "device_ms_passes" not in by["a"]  # no device time on a CPU
+    assert by["c"]["status"] == "failed" and by["c"]["tokens_per_s"] is None  # never a figure from one pass
+    assert probes == {"a": "probe-a-0", "b": "probe-b-0", "c": "probe-c-0"}
+    one, _ = common.run_passes(systems, 1, lambda s: ([{"system": s.name, "workload": "w", "status": "ok"}], None))
+    assert [r["system"] for r in one] == ["a", "b", "c"] and "passes" not in one[0]
+
+
+def test_passes_must_be_a_positive_integer(capsys):
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit) as e:
+            bench(["modernbert", "--tiny", "--device", "cpu", "--passes", bad, "--no-write"])
+        assert e.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
