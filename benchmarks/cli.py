@@ -7,7 +7,7 @@
 `--quick` keeps the real models with fewer, shorter repetitions. Both write to their own files
 (`<family>_<gpu>_tiny.json`, `_quick.json`), never over the full run's records.
 
-`--passes 2` (the inference families) times every system twice, in the family's order and then in
+`--passes 2` (the inference families and `train`) times every system twice, in the family's order and then in
 reverse, and records the median of the passes (each pass's figure in `*_passes`): a host whose
 speed drifts during a run (the GPU machines' hosts do, by tens of percent) then biases no system
 for its place in the order. Use it for A/B comparisons that decide a row of `kernels/auto.py`.
@@ -47,7 +47,7 @@ def parser(family: str, description: str) -> argparse.ArgumentParser:
 
 
 def add_passes(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--passes N` (the inference families: modernbert, deberta, bert)."""
+    """`--passes N` (the families that time systems against each other: modernbert, deberta, bert, train)."""
     ap.add_argument("--passes", type=_positive, default=1,
                     help="time every system N times, every other pass in reverse order; records the median")
     return ap

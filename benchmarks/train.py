@@ -133,7 +133,7 @@ def probe_diffs(probes: dict[str, torch.Tensor | None], reference: str) -> dict[
 
 
 def _parse(argv: list[str] | None) -> Any:
-    ap = cli.parser("train", __doc__)
+    ap = cli.add_passes(cli.parser("train", __doc__))
     ap.add_argument("--models", nargs="*", choices=sorted(benches()), help="default: both")
     return ap.parse_args(argv)
 
@@ -161,12 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         known |= {s.name for s in systems}
         systems = cli.select(systems, args.systems, strict=False)
         probe = ws[0].batch(0)
-        probes: dict[str, Any] = {}
         fields = dict(model=model.replace("base", "tiny") if args.tiny else model,
                       compute_dtype=str(compute or torch.float32).replace("torch.", ""))
-        for s in systems:
-            recs, probes[s.name] = common.run_system(s, ws, cfg, run, probe, **fields)
-            records += recs
+        recs, probes = common.run_passes(systems, args.passes,
+                                         lambda s: common.run_system(s, ws, cfg, run, probe, **fields))
+        records += recs
         for name, (loss, diff) in probe_diffs(probes, bench.reference).items():
             shown = "n/a" if diff is None else f"{diff:.2e}"
             print(f"{fields['model']} {name}: first-step loss {loss:.5f}, "
