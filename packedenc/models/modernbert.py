@@ -258,7 +258,8 @@ def params_spec(cfg: ModernBertConfig, *, heads: tuple[str, ...] = ()) -> Modern
 def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
           positions_T: Tensor, i: int, cfg: ModernBertConfig, ops: Ops,
           seed: int | None = None) -> tuple[Tensor, Tensor]:
-    """One pre-norm ModernBERT layer. Returns (mlp output not yet added, residual before it)."""
+    """One pre-norm ModernBERT layer. Returns (mlp output not yet added, residual before it).
+    Consumes delta_TD and residual_TD: eager inference writes the norms' outputs into them."""
     T, H, K = residual_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
     eps = cfg.norm_eps
     is_global = cfg.is_global_layer(i)
@@ -268,7 +269,8 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     if p.attn_norm is None:  # layer 0: the embedding norm already normalised (HF: nn.Identity)
         h_TD = residual_TD
     else:
-        h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps)
+        h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps,
+                                               overwrite_input=True)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
     # RoPE (positions restart per sequence), then attention: one kernel where the table fuses
     # them, else rotary and varlen_attention. qkv is this layer's own temporary: kernels may
@@ -279,7 +281,9 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
     a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 
-    h_TD, residual_TD = ops.add_layer_norm(a_TD, residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps)
+    # a_TD and the old residual are dead after the add: the norm may write into them
+    h_TD, residual_TD = ops.add_layer_norm(a_TD, residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps,
+                                           overwrite_input=True)
     # Wi's (2F, D) rows are the input half then the gate half: act(h Wi_in^T) * (h Wi_gate^T)
     g_TF = ops.linear_glu(h_TD, p.mlp.wi.weight, p.mlp.wi.bias, cfg.hidden_activation)
     g_TF = dropout(g_TF, cfg.mlp_dropout, seed, i, 2)
@@ -336,7 +340,7 @@ def encode(
         else:
             delta_TD, residual_TD = layer(*args)
     f = params.final_norm
-    return ops.add_layer_norm(delta_TD, residual_TD, f.weight, f.bias, cfg.norm_eps)[0]
+    return ops.add_layer_norm(delta_TD, residual_TD, f.weight, f.bias, cfg.norm_eps, overwrite_input=True)[0]
 
 
 # ---- heads (pure functions of the same params) -------------------------------------------------

@@ -69,6 +69,52 @@ def test_add_layer_norm_rounds_the_sum_first(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("keep_sum", [True, False])
+def test_add_layer_norm_in_place_writes_into_its_inputs(dtype, keep_sum):
+    x, w, b = _inputs(T_CPU, 40, dtype)
+    r = torch.randn(T_CPU, 40).to(DEVICE, dtype) * 3
+    want_y, want_s = L.ln_fwd(x, w, b, 1e-5, residual=r)
+    x1, r1 = x.clone(), r.clone()
+    y, s = L.ln_fwd(x1, w, b, 1e-5, residual=r1, keep_sum=keep_sum, in_place=True)
+    assert y.data_ptr() == x1.data_ptr() and torch.equal(y, want_y)  # no allocation: y is x's memory
+    if keep_sum:
+        assert s.data_ptr() == r1.data_ptr() and torch.equal(s, want_s)
+    else:
+        assert s is None and torch.equal(r1, r)  # nothing asked to be written there
+    # a column-major x cannot take the outputs: new tensors, and both inputs stay as they were
+    xc, rc = x.t().contiguous().t(), r.clone()
+    y, s = L.ln_fwd(xc, w, b, 1e-5, residual=rc, in_place=True)
+    assert y.data_ptr() != xc.data_ptr() and torch.equal(xc, x) and torch.equal(rc, r)
+    assert torch.equal(y, want_y) and torch.equal(s, want_s)
+    if dtype != torch.float32:  # mixed dtypes: the sum is formed in fp32, as `x + residual` would be
+        y, s = L.ln_fwd(x.clone(), w, b, 1e-5, residual=r.float(), in_place=True)
+        y_ref, s_ref = L.ln_fwd(x, w, b, 1e-5, residual=r.float())
+        assert y.dtype == torch.float32 and torch.equal(y, y_ref) and torch.equal(s, s_ref)
+    shared = torch.randn(2, T_CPU, 40).to(DEVICE, dtype)  # x and residual views of one buffer
+    before = shared.clone()
+    y, s = L.ln_fwd(shared[0], w, b, 1e-5, residual=shared[1], in_place=True)
+    assert torch.equal(shared, before) and torch.equal(y, L.ln_fwd(before[0], w, b, 1e-5, residual=before[1])[0])
+
+
+def test_the_add_layer_norm_op_takes_overwrite_input_on_every_path(monkeypatch):
+    x, w, b = _inputs(T_CPU, 40, torch.float32)
+    r = torch.randn(T_CPU, 40, device=DEVICE)
+    want = reference.add_layer_norm(x, r, w, b, 1e-5)
+    for fn in (LN.add_layer_norm, reference.add_layer_norm):  # CPU: the registered op / the reference
+        got = fn(x.clone(), r.clone(), w, b, 1e-5, overwrite_input=True)
+        assert all(torch.equal(g, h) for g, h in zip(got, want))
+    monkeypatch.setattr(LN, "direct_launch", lambda *t: True)  # the eager CUDA path, on the interpreter
+    x1, r1 = x.clone(), r.clone()
+    y, s = LN.add_layer_norm(x1, r1, w, b, 1e-5, overwrite_input=True)
+    assert y.data_ptr() == x1.data_ptr() and s.data_ptr() == r1.data_ptr()
+    torch.testing.assert_close(y, want[0], atol=2e-6, rtol=1e-5)
+    assert torch.equal(s, want[1])
+    x0, r0 = x.clone(), r.clone()
+    y, s = LN.add_layer_norm(x, r, w, b, 1e-5)  # without the flag: inputs untouched
+    assert y.data_ptr() != x.data_ptr() and torch.equal(x, x0) and torch.equal(r, r0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_embed_layer_norm_gathers_rows(dtype):
     table, w, b = _inputs(11, 40, dtype)
     ids = torch.tensor([3, 0, 10, 5, 5, 7, 0]).to(DEVICE)  # repeats, first and last rows

@@ -127,6 +127,10 @@ def test_gpu_direct_launch_equals_the_registered_op():
     assert direct_launch(x, w) and not direct_launch(x, w.clone().requires_grad_())
     assert torch.equal(ops.layer_norm(x, w, None, 1e-5), P.layer_norm(x, w, None, 1e-5))
     assert all(torch.equal(a, b) for a, b in zip(ops.add_layer_norm(x, r, w, w, 1e-5), P.add_layer_norm(x, r, w, w, 1e-5)))
+    x1, r1 = x.clone(), r.clone()  # eager inference writes into inputs the caller gives up
+    y1, s1 = ops.add_layer_norm(x1, r1, w, w, 1e-5, overwrite_input=True)
+    assert y1.data_ptr() == x1.data_ptr() and s1.data_ptr() == r1.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip((y1, s1), P.add_layer_norm(x, r, w, w, 1e-5)))
     assert torch.equal(ops.embed_layer_norm(ids, x, w, None, 1e-5), P.embed_layer_norm(ids, x, w, None, 1e-5))
     assert all(torch.equal(a, b) for a, b in zip(ops.rotary(qkv, pos, 1e4), P.rotary(qkv, pos, 1e4)))
     assert torch.equal(ops.glu(x, "silu"), P.glu(x, "silu"))
@@ -289,3 +293,63 @@ def test_modernbert_calls_rotary_attention_once_per_layer():
     out = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops)
     assert seen == [(-1, -1), (2, 2)]  # layer 0 global, layer 1 local (local_attention 4)
     torch.testing.assert_close(out, pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference"))
+
+
+def _tiny_params(family):
+    from packedenc.models import bert, deberta
+
+    if family == "modernbert":
+        return _tiny_modernbert()
+    cfg = (bert.BertConfig(vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=256) if family == "bert"
+           else deberta.PRESETS["tiny"])
+    return pe.init(cfg, torch.Generator().manual_seed(0))
+
+
+# per family: (norms written in place, attentions written into q) of one tiny 2-layer encode
+_IN_PLACE = {"modernbert": (4, 2), "bert": (4, 0), "deberta": (4, 0)}
+
+
+@pytest.mark.parametrize("family", sorted(_IN_PLACE))
+def test_eager_inference_path_on_the_interpreter(family, monkeypatch):
+    """The GPU's eager inference chain (direct launches; ModernBERT's fused RoPE forward writing
+    into qkv's q slot; norms writing into the inputs the layer gives up) run by the interpreter on
+    CPU tensors: the same hidden states as the reference."""
+    import importlib
+    import pkgutil
+
+    from packedenc import kernels
+    from packedenc.kernels import triton as KT
+    from packedenc.kernels.triton import attention_op as AO
+    from packedenc.kernels.triton import layer_norm_kernels as LK
+
+    no_grad = lambda *t: not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in t))  # noqa: E731
+    for m in pkgutil.walk_packages(KT.__path__, KT.__name__ + "."):
+        mod = importlib.import_module(m.name)
+        if hasattr(mod, "direct_launch"):
+            monkeypatch.setattr(mod, "direct_launch", no_grad)
+        if hasattr(mod, "eager_cuda"):
+            monkeypatch.setattr(mod, "eager_cuda", lambda *t: True)
+    usable = {"triton", "reference"}.__contains__
+    chosen = tuple((op, kernels.choose(op, "auto", "cuda", usable)) for op in kernels.OP_NAMES)
+    assert dict(chosen)["rotary_attention"] == "triton>rotary+varlen_attention"
+    ops = kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
+    taken = [0, 0]
+    can = LK._can_overwrite
+    monkeypatch.setattr(LK, "_can_overwrite", lambda *a: can(*a) and taken.__setitem__(0, taken[0] + 1) is None)
+    fwd = AO.attention_fwd
+
+    def attention_fwd(*args, **kwargs):
+        out = kwargs.get("out")
+        taken[1] += out is not None and out.data_ptr() == args[0].data_ptr()
+        return fwd(*args, **kwargs)
+
+    monkeypatch.setattr(AO, "attention_fwd", attention_fwd)
+    params = _tiny_params(family)
+    g = torch.Generator().manual_seed(1)  # sequences across the 64-row query tiles: programs share k / v rows
+    b = pe.pack([torch.randint(3, 100, (n,), generator=g).tolist() for n in (70, 3, 50, 1, 90, 17)])
+    with torch.inference_mode():
+        got = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops)
+    want = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+    assert tuple(taken) == _IN_PLACE[family]

@@ -61,6 +61,25 @@ def test_the_table_holds_what_rotary_computes():
         assert torch.equal(t[:, 1, :24], torch.cat((-sin, sin), 1))
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (2, 2)])
+def test_the_output_can_take_the_place_of_q(window, monkeypatch):
+    qkv, pos, cu = torch.randn(sum(MIXED), 3, 2, 16).to(DEVICE), positions(MIXED), cu_seqlens(MIXED)
+    want = _fused(qkv, pos, 1e4, cu, max(MIXED), window)
+    q, k, v = (t.clone() for t in qkv.unbind(1))  # the kernel reads k and v after others wrote their rows
+    inv = _inv_freq(16, 1e4, qkv.device)
+    rope = (pos, inv, A.rope_table(inv, 128, 1.0, qkv.dtype), 1.0)
+    got = A.attention_fwd(q, k, v, cu, max(MIXED), window, 0.25, lse=False, tile=TINY, rope=rope, out=q)[0]
+    assert got.data_ptr() == q.data_ptr() and torch.equal(got, want)
+    # the op: with overwrite_input, eager inference returns a view of qkv's q slot (no allocation)
+    monkeypatch.setattr(OP, "direct_launch", lambda *t: True)
+    buf = qkv.clone()
+    out = OP.rotary_attention(buf, pos, 1e4, cu, max(MIXED), window, overwrite_input=True)
+    assert out.data_ptr() == buf.data_ptr() and out.stride()[0] == 3 * 2 * 16
+    torch.testing.assert_close(out, reference.rotary_attention(qkv, pos, 1e4, cu, max(MIXED), window),
+                               atol=2e-6, rtol=1e-5)
+    assert torch.equal(buf[:, 1:], qkv[:, 1:])  # k and v are left as they were
+
+
 def test_sequences_stay_apart():
     qkv, pos, cu = torch.randn(sum(MIXED), 3, 2, 16).to(DEVICE), positions(MIXED), cu_seqlens(MIXED)
     base = _fused(qkv, pos, 10000.0, cu, max(MIXED), (-1, -1))

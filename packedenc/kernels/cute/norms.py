@@ -77,7 +77,7 @@ def covers_layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: fl
 
 
 def covers_add_layer_norm(x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-                          x_bias: Tensor | None = None, keep_sum: bool = True) -> bool:
+                          x_bias: Tensor | None = None, keep_sum: bool = True, overwrite_input: bool = False) -> bool:
     """`covers_layer_norm`'s calls with a residual of x's shape and dtype and no x_bias."""
     return (x_bias is None and residual_TD.is_cuda and residual_TD.dtype == x_TD.dtype
             and residual_TD.shape == x_TD.shape and _covers(x_TD, weight, bias))
@@ -269,12 +269,13 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
 
 def add_layer_norm(
     x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-    x_bias: Tensor | None = None, keep_sum: bool = True,
+    x_bias: Tensor | None = None, keep_sum: bool = True, overwrite_input: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(LayerNorm(x + residual), x + residual): the sum rounded to x's dtype before the statistics,
     as in `reference.add_layer_norm` (torch adds, quack normalises; the backward is quack's with the
     sum's gradient fused). No `x_bias`: those calls, and CUDA inputs outside `covers_add_layer_norm`,
-    raise InputError (the op table sends them to the next choice). `keep_sum` False returns (y, None)."""
+    raise InputError (the op table sends them to the next choice). `keep_sum` False returns (y, None);
+    `overwrite_input` is allowed and ignored (quack allocates its outputs)."""
     if x_bias is not None or (x_TD.is_cuda and not covers_add_layer_norm(x_TD, residual_TD, weight, bias, eps)):
         raise InputError(f"cute add_layer_norm: quack takes no x_bias, and needs a residual of x's shape and dtype "
                          f"besides what layer_norm needs; got x {x_TD.dtype} {tuple(x_TD.shape)}, residual "

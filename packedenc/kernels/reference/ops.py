@@ -74,10 +74,12 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
 
 def add_layer_norm(
     x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-    x_bias: Tensor | None = None, keep_sum: bool = True,
+    x_bias: Tensor | None = None, keep_sum: bool = True, overwrite_input: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(LayerNorm(x + residual), x + residual). The sum is rounded to x's dtype *before* the
     statistics, as two separate eager ops would do, and that rounded sum is the new residual.
+    `overwrite_input`: the caller no longer needs x and residual, so an implementation may write
+    its outputs into them (the Triton one does in eager inference: no allocation); ignored here.
 
     `x_bias` (D,) in x's dtype, or None: the bias of the linear layer that produced x, moved here
     (the GEMM runs without it) so that kernels get its gradient while they read the sum's. The sum

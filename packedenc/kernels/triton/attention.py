@@ -301,19 +301,23 @@ def attention_fwd(
     window: tuple[int, int], scale: float, *, lse: bool,
     tile: tuple[int, int, int, int] | None = None,
     rope: tuple[Tensor, Tensor, Tensor, float] | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     Inputs are checked by the caller (`attention_op`): same (T, H, K) shape and float dtype, head
     dim contiguous and <= MAX_HEAD_DIM, cu_seqlens (S + 1,) int32 contiguous, scale > 0.
-    Return: (out (T, H, K) contiguous in q's dtype, LSE2 (H, T) fp32 when `lse` else None).
+    Return: (out (T, H, K) in q's dtype, contiguous unless `out` says otherwise, LSE2 (H, T) fp32
+    when `lse` else None).
     `tile` overrides `tiles(...)` (benchmarks, tests). `rope` = (positions (T,) int contiguous,
     inv_freq (K/2,) fp32, table (P, 2, BLOCK_K) fp32 from `rope_table`, scaling): q and k
     are rotated as they are read (even K; the key tiles are rotated once per query block that
-    reads them, so this pays off on short sequences).
+    reads them, so this pays off on short sequences). `out`: a (T, H, K) tensor of q's dtype with
+    a contiguous head dim to write into instead of a new one; q itself may be passed (a program
+    reads its own query rows once, before it writes them, and no program reads another's).
     """
     T, H, Kd = q_THK.shape
-    o = torch.empty((T, H, Kd), dtype=q_THK.dtype, device=q_THK.device)
+    o = torch.empty((T, H, Kd), dtype=q_THK.dtype, device=q_THK.device) if out is None else out
     lse2 = torch.empty((H, T), dtype=torch.float32, device=q_THK.device) if lse else None
     S, n_steps, left, right, qk_scale, meta = launch_args(q_THK, cu_seqlens, window, scale)
     if T == 0 or S <= 0:
@@ -324,7 +328,7 @@ def attention_fwd(
     launch(_fwd_kernel, (cdiv(T, BM), H),
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
-        *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], H * Kd, Kd,  # o is contiguous
+        *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],
         *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)),  # unused without RoPE
         BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, num_warps=warps, num_stages=stages, **meta,
     )

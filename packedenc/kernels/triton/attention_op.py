@@ -263,9 +263,11 @@ def rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seq
                      window: tuple[int, int] = (-1, -1), scale: float | None = None, scaling: float = 1.0,
                      overwrite_input: bool = False) -> Tensor:
     """`reference.rotary_attention` in one kernel: the forward rotates q and k as it reads them
-    from the (T, 3, H, K) qkv buffer (no rotated copy, no rotary launch). qkv is only read.
+    from the (T, 3, H, K) qkv buffer (no rotated copy, no rotary launch). qkv is only read, unless
+    `overwrite_input`: the output then goes into qkv's q slot (no allocation).
 
-    Return: (T, H, K) in qkv's dtype. No gradient: `covers_rotary_attention` keeps training away.
+    Return: (T, H, K) in qkv's dtype (with `overwrite_input`, a view of qkv with row stride 3 H K).
+    No gradient: `covers_rotary_attention` keeps training away.
     """
     if qkv_T3HK.dim() != 4 or qkv_T3HK.shape[1] != 3 or qkv_T3HK.shape[-1] % 2:
         raise InputError(f"rotary_attention: qkv must be (T, 3, H, K) with an even K, got {tuple(qkv_T3HK.shape)}")
@@ -283,4 +285,4 @@ def rotary_attention(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, cu_seq
     inv_freq = _inv_freq(q.shape[-1], theta, q.device)
     rope = (positions_T.contiguous(), inv_freq, _rope_table(inv_freq, theta, float(scaling), q.dtype), float(scaling))
     return attention_fwd(q, k, v, cu_seqlens, max_seqlen, (int(window[0]), int(window[1])), scale, lse=False,
-                         rope=rope)[0]
+                         rope=rope, out=q if overwrite_input else None)[0]

@@ -200,18 +200,21 @@ def layer_norm(x_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float) ->
 
 def add_layer_norm(
     x_TD: Tensor, residual_TD: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-    x_bias: Tensor | None = None, keep_sum: bool = True,
+    x_bias: Tensor | None = None, keep_sum: bool = True, overwrite_input: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(LayerNorm(x + residual), x + residual), the sum rounded before the statistics.
 
     `x_bias` (D,) in x's dtype, or None: the sum is x + x_bias + residual (see
     `reference.add_layer_norm`), and the backward returns its gradient from the LayerNorm
     backward kernel. A bias of the wrong shape, dtype or device raises InputError. `keep_sum`
-    False (post-LN layers drop the sum) returns (y, None), and eager inference skips writing it."""
+    False (post-LN layers drop the sum) returns (y, None), and eager inference skips writing it.
+    `overwrite_input`: the caller no longer needs x and residual; eager inference then writes y
+    into x and the sum into residual (`ln_fwd`'s `in_place`), allocating nothing."""
     if x_bias is not None:
         reference.check_bias("add_layer_norm", x_bias, x_TD, "x_bias")
     if direct_launch(x_TD, residual_TD, weight, bias, x_bias):
-        return ln_fwd(x_TD, weight, bias, eps, residual=residual_TD, x_bias=x_bias, keep_sum=keep_sum)
+        return ln_fwd(x_TD, weight, bias, eps, residual=residual_TD, x_bias=x_bias, keep_sum=keep_sum,
+                      in_place=overwrite_input)
     if eager_cuda(x_TD, residual_TD, weight, bias, x_bias):
         y, s = _add_layer_norm_eager(x_TD, residual_TD, weight, bias, eps, x_bias)
     else:

@@ -149,15 +149,24 @@ def _ln_bwd_kernel(
 # ---- launchers (device-agnostic: CUDA, or CPU tensors under TRITON_INTERPRET=1) ----------------
 
 
+def _can_overwrite(x: Tensor, residual: Tensor) -> bool:
+    """x and the residual can take y and the sum in place: contiguous, one dtype, separate storage."""
+    return (x.is_contiguous() and residual.is_contiguous() and x.dtype == residual.dtype
+            and x.untyped_storage().data_ptr() != residual.untyped_storage().data_ptr())
+
+
 def ln_fwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
     residual: Tensor | None = None, ids: Tensor | None = None, x_bias: Tensor | None = None,
-    keep_sum: bool = True, tile: tuple[int, int] | None = None,
+    keep_sum: bool = True, tile: tuple[int, int] | None = None, in_place: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward. Return (y, rounded sum or None). With `ids`, `x` is the (V, D) table;
     `x_bias` (D,) is added to x with the residual (x + x_bias + residual, one rounding). Without
     `keep_sum` the sum is not written (a quarter of add_layer_norm's memory traffic) and is None.
-    `tile` (rows per program, warps) overrides the width's default (`row_tile`): the tile probe."""
+    `tile` (rows per program, warps) overrides the width's default (`row_tile`): the tile probe.
+    `in_place` (with a residual): y is written into x and the sum into residual when both are
+    contiguous, of one dtype and in separate storage (a program reads its rows whole before it
+    writes them, and no program reads another's rows), else new tensors are allocated."""
     check_float("layer_norm", x, weight)
     D = x.shape[-1]
     assert weight.shape == (D,) and (bias is None or bias.shape == (D,))
@@ -170,8 +179,11 @@ def ln_fwd(
     res2 = rows(residual) if residual is not None else None
     T = ids.numel() if ids is not None else x2.shape[0]
     out_shape = (T, D) if ids is not None else x.shape
-    y = torch.empty(out_shape, dtype=dtype, device=x.device)
-    s = torch.empty(out_shape, dtype=dtype, device=x.device) if residual is not None and keep_sum else None
+    if in_place and residual is not None and _can_overwrite(x, residual):
+        y, s = x, residual if keep_sum else None
+    else:
+        y = torch.empty(out_shape, dtype=dtype, device=x.device)
+        s = torch.empty(out_shape, dtype=dtype, device=x.device) if residual is not None and keep_sum else None
     if T == 0:
         return y, s
     BLOCK_T, BLOCK_D, num_warps = row_tile(D)

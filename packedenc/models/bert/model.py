@@ -53,15 +53,16 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, cfg: Bert
     o_THK = ops.varlen_attention(q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, **drop)
     o = p.attention.output
     a_TD = dropout(ops.linear(o_THK.reshape(T, H * K), o.dense.weight, o.dense.bias), cfg.hidden_dropout_prob, seed, i, 1)
+    # post-LN: the sum is not kept, and a_TD (this layer's temporary) may take the norm's output
     x_TD, _ = ops.add_layer_norm(a_TD, x_TD, o.layer_norm.weight, o.layer_norm.bias, cfg.layer_norm_eps,
-                                 keep_sum=False)
+                                 keep_sum=False, overwrite_input=True)
 
     d = p.intermediate.dense
     h_TF = ops.activation(ops.linear(x_TD, d.weight, d.bias), cfg.hidden_act)
     o = p.output
     m_TD = dropout(ops.linear(h_TF, o.dense.weight, o.dense.bias), cfg.hidden_dropout_prob, seed, i, 2)
     x_TD, _ = ops.add_layer_norm(m_TD, x_TD, o.layer_norm.weight, o.layer_norm.bias, cfg.layer_norm_eps,
-                                 keep_sum=False)
+                                 keep_sum=False, overwrite_input=True)
     return x_TD
 
 

@@ -144,14 +144,15 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_R
     )
     ao, out, p_drop = p.attention_output, p.output, cfg.hidden_dropout_prob
     y_TD = dropout(ops.linear(o_THK.reshape(T, H * K), ao.dense.weight, ao.dense.bias), p_drop, seed, i, 1)
+    # post-LN: the sum is not kept, and y_TD (this layer's temporary) may take the norm's output
     a_TD, _ = ops.add_layer_norm(y_TD, x_TD, ao.layer_norm.weight, ao.layer_norm.bias, cfg.layer_norm_eps,
-                                 keep_sum=False)  # post-LN: the sum is not needed
+                                 keep_sum=False, overwrite_input=True)
     # the intermediate GEMM's output is this layer's own temporary: inference may overwrite it
     h_TF = ops.activation(ops.linear(a_TD, p.intermediate.weight, p.intermediate.bias), cfg.hidden_act,
                           overwrite_input=True)
     y_TD = dropout(ops.linear(h_TF, out.dense.weight, out.dense.bias), p_drop, seed, i, 2)
     return ops.add_layer_norm(y_TD, a_TD, out.layer_norm.weight, out.layer_norm.bias, cfg.layer_norm_eps,
-                              keep_sum=False)[0]
+                              keep_sum=False, overwrite_input=True)[0]
 
 
 def conv_layer(p: ConvLayer, emb_TD: Tensor, layer0_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
