@@ -313,8 +313,9 @@ _IN_PLACE = {"modernbert": (4, 2), "bert": (4, 0), "deberta": (4, 0)}
 @pytest.mark.parametrize("family", sorted(_IN_PLACE))
 def test_eager_inference_path_on_the_interpreter(family, monkeypatch):
     """The GPU's eager inference chain (direct launches; ModernBERT's fused RoPE forward writing
-    into qkv's q slot; norms writing into the inputs the layer gives up) run by the interpreter on
-    CPU tensors: the same hidden states as the reference."""
+    into qkv's q slot; norms writing into the inputs the layer gives up), run by the interpreter on
+    a CPU machine (CPU tensors taken for CUDA ones) and by the kernels on a GPU: the same hidden
+    states as the reference."""
     import importlib
     import pkgutil
 
@@ -345,9 +346,11 @@ def test_eager_inference_path_on_the_interpreter(family, monkeypatch):
         return fwd(*args, **kwargs)
 
     monkeypatch.setattr(AO, "attention_fwd", attention_fwd)
-    params = _tiny_params(family)
+    from tests.kernels._assert import DEVICE  # the interpreter on a CPU machine, the kernels on a GPU one
+
+    params = pe.tree_to(_tiny_params(family), device=DEVICE)
     g = torch.Generator().manual_seed(1)  # sequences across the 64-row query tiles: programs share k / v rows
-    b = pe.pack([torch.randint(3, 100, (n,), generator=g).tolist() for n in (70, 3, 50, 1, 90, 17)])
+    b = pe.pack([torch.randint(3, 100, (n,), generator=g).tolist() for n in (70, 3, 50, 1, 90, 17)]).to(DEVICE)
     with torch.inference_mode():
         got = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops)
     want = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
