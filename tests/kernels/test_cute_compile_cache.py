@@ -158,6 +158,38 @@ def test_an_existing_entry_is_only_ever_replaced_whole(cache, src):
     assert seen == ["corrupt"] and entry.read_text() == "k1"
 
 
+def test_two_threads_exporting_one_key_leave_a_whole_entry(cache, src):
+    import threading
+    import time
+
+    fake, barrier = FakeCute(), threading.Barrier(2)
+
+    def slow_export(fn, folder, stem):  # both threads write at once, in two halves
+        path = folder / f"{stem}.o"
+        with open(path, "w") as f:
+            barrier.wait()
+            f.write(fn[:1])
+            f.flush()
+            time.sleep(0.05)
+            f.write(fn[1:])
+        return path
+
+    hows = []
+
+    def get():
+        hows.append(CC.load_or_compile(("k",), (src,), fake.compile("k" + "x" * 4096), versions=("v",), arch="a",
+                                       export=slow_export, load=fake.load)[1])
+
+    threads = [threading.Thread(target=get) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (entry,) = _entries(cache)
+    assert entry.read_text() == "k" + "x" * 4096
+    assert hows == ["compiled", "compiled"]  # each wrote its own temporary file and renamed it: no clash
+
+
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes anywhere")
 def test_an_unwritable_folder_warns_and_still_returns_the_kernel(tmp_path, src, monkeypatch):
     ro = tmp_path / "ro"

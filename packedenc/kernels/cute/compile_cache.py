@@ -14,8 +14,8 @@ sizes, tile), named by the key's hash. A new kernel source or a cutlass upgrade 
 old folders are left as they are (delete the cache folder to reclaim them).
 
 Writes never destroy: an entry is exported under a temporary name in the same folder and renamed
-into place, so a crash leaves no entry or a whole one, and two processes exporting the same key
-both write whole files. An entry that does not load (truncated by a full disk, another cutlass
+into place, so a crash leaves no entry or a whole one, and two writers (processes or threads)
+exporting the same key both write whole files. An entry that does not load (truncated by a full disk, another cutlass
 build) is a miss: the kernel is compiled and the entry replaced. A cache folder that cannot be
 written costs a warning, never the call. Nothing outside the cache folder is touched.
 """
@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence
@@ -123,7 +124,7 @@ def load_or_compile(key: Hashable, sources: Sequence[Path], compile: Callable[[]
         except Exception:  # a bad entry is a miss: compiled below, and replaced
             pass
     fn = compile()
-    tmp = f".{name}.{os.getpid()}.tmp"
+    tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"  # one per writer: threads of one process too
     try:
         folder.mkdir(parents=True, exist_ok=True)
         os.replace(export(fn, folder, tmp), entry)
