@@ -12,7 +12,10 @@ window (`-window`). Lengths are seeded log-normal draws, as benchmarks/common.py
    reference fits), the kernels' output and dq, dk, dv against the fp32 reference, with the 2x rule
    (error <= 2 x that of the plain bf16 attention + 1e-3 x the reference's scale).
 2. Time (CUDA events, warm-up, median of 15): `fwd_ms` under no_grad, `fwd_bwd_ms` = forward with
-   inputs that require grad + autograd.grad of q, k, v, for the systems `packedenc` (the op table's
+   inputs that require grad + autograd.grad of q, k, v (one call between two events: a host
+   prologue longer than the GPU's idle start counts), each also as `*_host_ms` (host enqueue) and
+   `*_device_ms` (its kernels alone, queued behind a sleep: `common.host_device_ms`), for the
+   systems `packedenc` (the op table's
    "triton" varlen_attention) and `torch-flash` (torch's varlen attention through kernels/flash.py);
    FlashAttention-4 (the "cute" backend) is timed by `python -m benchmarks cute`.
 3. `--sweep`: the forward, the dQ and the dK/dV kernels alone with candidate tiles (the other
@@ -164,7 +167,12 @@ def time_system(fn: Callable, lens: list[int], window: tuple[int, int]) -> dict[
     def fwd_bwd():
         torch.autograd.grad(fn(*leaves, cu, L, window), leaves, do)
 
-    return {"fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd)}
+    out = {"fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd)}
+    # the same calls split into host enqueue time and the device time of their own kernels
+    for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        hd = common.host_device_ms([f] * 3, torch.device("cuda"))
+        out.update({f"{name}_host_ms": hd["host_ms"], f"{name}_device_ms": hd["device_ms"]})
+    return out
 
 
 def sweep(lens: list[int], window: tuple[int, int]) -> list[dict[str, Any]]:
