@@ -354,5 +354,7 @@ def test_eager_inference_path_on_the_interpreter(family, monkeypatch):
     with torch.inference_mode():
         got = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops)
     want = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
-    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+    # fp32: exact-ish on the interpreter; a GPU's fp32 dots may run as TF32 (the parity tests hold the 2x rule)
+    tol = dict(atol=3e-5, rtol=1e-4) if torch.device(DEVICE).type == "cpu" else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
     assert tuple(taken) == _IN_PLACE[family]
