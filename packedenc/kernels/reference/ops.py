@@ -33,6 +33,7 @@ __all__ = [
     "glu",
     "linear_glu",
     "rope_inv_freq",
+    "rope_cos_sin",
     "rotary",
     "varlen_attention",
     "graph_attention",
@@ -190,6 +191,15 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None
     return 1.0 / (theta**exponent)
 
 
+def rope_cos_sin(positions_T: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(cos, sin), each (T, K) fp32 holding `dtype` values: split-half RoPE's tables for these
+    positions, as transformers 5.x builds them (fp32 angle pos * inv_freq, both halves alike, times
+    scaling, rounded to the activation dtype)."""
+    freqs_TK2 = positions_T.float()[:, None] * inv_freq[None, :]
+    emb_TK = torch.cat((freqs_TK2, freqs_TK2), dim=-1)
+    return (emb_TK.cos() * scaling).to(dtype).float(), (emb_TK.sin() * scaling).to(dtype).float()
+
+
 def rotary(
     qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float = 1.0, with_v: bool = False,
     overwrite_input: bool = False,
@@ -210,12 +220,9 @@ def rotary(
         in fp32 and rounded to the activation dtype, rotation in fp32, one final rounding.
     """
     K = qkv_T3HK.shape[-1]
-    inv_freq = rope_inv_freq(K, theta, qkv_T3HK.device)
-    freqs_TK2 = positions_T.float()[:, None] * inv_freq[None, :]
-    emb_TK = torch.cat((freqs_TK2, freqs_TK2), dim=-1)
     dtype = qkv_T3HK.dtype
-    cos = (emb_TK.cos() * scaling).to(dtype).float()[:, None, :]
-    sin = (emb_TK.sin() * scaling).to(dtype).float()[:, None, :]
+    cos_TK, sin_TK = rope_cos_sin(positions_T, rope_inv_freq(K, theta, qkv_T3HK.device), scaling, dtype)
+    cos, sin = cos_TK[:, None, :], sin_TK[:, None, :]
 
     def rot(x_THK: Tensor) -> Tensor:
         x = x_THK.float()

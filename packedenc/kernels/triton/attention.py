@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from packedenc.kernels import reference
 from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 
 __all__ = ["attention_fwd", "tiles", "bwd_tiles", "LOG2E", "MAX_HEAD_DIM"]
@@ -268,16 +269,13 @@ def _meta(Kd: int, window_l: bool, window_r: bool, fp32: bool) -> dict:
 
 def rope_table(inv_freq: Tensor, positions: int, scaling: float, dtype: torch.dtype) -> Tensor:
     """(positions, 2, BLOCK_K) fp32: cos and signed sin of split-half RoPE for positions
-    0 .. positions - 1, computed and rounded to `dtype` as `reference.rotary` does (fp32 angle
-    pos * inv_freq, cos / sin times scaling, rounded to the activation dtype); sin is negated on
-    the first half (the rotation's sign), columns past K are 0. The fused forward's `_rope` reads it."""
+    0 .. positions - 1, `reference.rope_cos_sin`'s values; sin is negated on the first half (the
+    rotation's sign), columns past K are 0. The fused forward's `_rope` reads it."""
     J = inv_freq.shape[0]
-    ang = torch.arange(positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos = (ang.cos() * scaling).to(dtype).float()
-    sin = (ang.sin() * scaling).to(dtype).float()
+    cos, sin = reference.rope_cos_sin(torch.arange(positions, device=inv_freq.device), inv_freq, scaling, dtype)
     table = torch.zeros((positions, 2, max(16, next_pow2(2 * J))), device=inv_freq.device, dtype=torch.float32)
-    table[:, 0, :2 * J] = torch.cat((cos, cos), 1)
-    table[:, 1, :2 * J] = torch.cat((-sin, sin), 1)
+    table[:, 0, :2 * J] = cos
+    table[:, 1, :2 * J] = torch.cat((-sin[:, :J], sin[:, J:]), 1)
     return table
 
 
