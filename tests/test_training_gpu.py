@@ -23,7 +23,8 @@
    added here: the fp32 1e-4-relative check of every fused op (the varlen attention gradient is
    FA2's, which has no fp32 mode) and plain layer_norm's bf16 backward.
 3. `torch.compile(fullgraph=True)` of the forward + loss trains through the fused ops (their
-   registered autograd): its losses over 3 AdamW steps match eager's. Without dropout: the seeded
+   registered autograd): its losses over 3 AdamW steps match eager's, and inductor's code launches
+   our Triton kernels itself, forward and backward (the ops are `triton_op`s). Without dropout: the seeded
    dropout creates a torch.Generator, which dynamo refuses inside a fullgraph region.
 """
 
@@ -31,6 +32,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import packedenc as pe
 from packedenc.train import losses
@@ -210,13 +212,21 @@ def compiled_vs_eager_losses(params, batches, backend, device, compute_dtype, st
         out = []
         for t in range(steps):
             ids, cu, max_seqlen, pos, tgt = batches[t % len(batches)]
-            loss = f(master, ids, cu, pos, tgt, max_seqlen)
-            loss.backward()
+
+            def step():
+                loss = f(master, ids, cu, pos, tgt, max_seqlen)
+                loss.backward()
+                return loss
+
+            if name == "compiled" and t == 0:  # the step that compiles the forward and the backward
+                loss, codes = run_and_get_code(step)
+            else:
+                loss = step()
             opt.step()
             opt.zero_grad(set_to_none=True)
             out.append(loss.item())
         runs[name] = out
-    return runs["eager"], runs["compiled"]
+    return runs["eager"], runs["compiled"], "\n".join(codes)
 
 
 @pytest.mark.gpu
@@ -225,8 +235,12 @@ def test_gpu_compiled_training_step_matches_eager(model):
     torch._dynamo.reset()
     params = MODELS[model]()
     batches = mlm_batches(params.config.vocab_size, "cuda", n=1)  # one shape: one compilation
-    eager, compiled = compiled_vs_eager_losses(params, batches, "auto", "cuda", torch.bfloat16)
+    eager, compiled, code = compiled_vs_eager_losses(params, batches, "auto", "cuda", torch.bfloat16)
     print(f"{model}: eager {eager}, compiled {compiled}")
+    # inductor compiled our Triton kernels into its code (triton_op + wrap_triton), forward and backward
+    glu = ("_glu_fwd_kernel", "_glu_bwd_kernel") if model == "modernbert" else ()
+    for kernel in ("_ln_fwd_kernel", "_ln_bwd_kernel", *glu):
+        assert f"def {kernel}(" in code, kernel
     assert eager[0] - eager[-1] > 0.2  # the steps train, so matching losses means matching updates
     for a, c in zip(eager, compiled):  # Inductor fuses the casts and the head differently: bf16 noise only
         assert abs(a - c) <= 5e-3 * abs(a), (eager, compiled)

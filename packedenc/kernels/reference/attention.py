@@ -108,8 +108,9 @@ def _grouped(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, wi
 
 
 def grouping(cu_seqlens: Tensor) -> bool:
-    """Whether a reference attention should run `by_length`: eager CPU calls (host lengths for free)."""
-    return cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
+    """Whether a reference attention should run `by_length`: eager CPU calls (host lengths for free),
+    not a trace (fake or functional tensors have no host lengths)."""
+    return cu_seqlens.device.type == "cpu" and type(cu_seqlens) is Tensor and not torch.compiler.is_compiling()
 
 
 def by_length(fn: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor], q_THK: Tensor, k_THK: Tensor,

@@ -150,8 +150,17 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     (`_arg_key`) distinguishes at least what Triton's does, so the kernel launched is the one the
     JIT would pick. The interpreter, a kernel with pre-run hooks and any launch while a Triton launch
     hook is set (profilers) take the JIT every time.
+
+    Traced (torch.compile decomposing a registered op, fake tensors, a dispatch mode): the launch is
+    recorded through `torch.library.wrap_triton`, so the compiled graph calls this kernel itself.
     """
-    if _INTERPRET or kernel.pre_run_hooks or _launch_hooked():
+    if _INTERPRET:
+        kernel[grid](*args, **meta)
+        return
+    if type(args[0]) is not Tensor or _dispatch_modes():
+        _traced_launch(kernel, grid, args, meta)
+        return
+    if kernel.pre_run_hooks or _launch_hooked():
         kernel[grid](*args, **meta)
         return
     driver = _driver()
@@ -171,6 +180,19 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     fn(grid[0], g1, g2, driver.get_current_stream(device), *head, *args, *tail)
+
+
+# launch options inductor's user-kernel call does not take: `maxnreg` caps registers, a speed hint
+_UNTRACEABLE_OPTIONS = ("maxnreg",)
+
+
+def _traced_launch(kernel: Any, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+    """`launch` under tracing: every launch's first argument is a tensor, so a FakeTensor or
+    FunctionalTensor there (or a dispatch mode) means a trace, never a real launch."""
+    from torch.library import wrap_triton
+
+    meta = {k: v for k, v in meta.items() if k not in _UNTRACEABLE_OPTIONS}
+    wrap_triton(kernel)[grid](*args, **meta)
 
 
 def _launcher(compiled: Any) -> tuple[Callable, tuple]:
@@ -208,6 +230,8 @@ def _launch_hooked() -> bool:
         exit_ is not None and bool(getattr(exit_, "calls", True)))
 
 
+# the number of active dispatch modes (make_fx, FakeTensorMode, ...); 0 where torch moved the hook
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
@@ -220,39 +221,30 @@ def activation_bwd(dy: Tensor, x: Tensor, act: str, block: int = BLOCK) -> Tenso
 # ---- registered ops ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("packedenc::activation", mutates_args=(), device_types="cpu")
+def _activation_cuda(x, act):
+    return activation_fwd(x, act)
+
+
+@triton_op("packedenc::activation", mutates_args=())
 def _activation(x: Tensor, act: str) -> Tensor:
+    if x.is_cuda:
+        return _activation_cuda(x, act)
     y = reference.activation(x, act)
     # A custom op's output may not alias its input (the reference returns fp32 x itself for
     # "linear"), and is contiguous like the CUDA kernel's, whatever x's strides.
     return x.clone(memory_format=torch.contiguous_format) if y is x else y.contiguous()
 
 
-@_activation.register_kernel("cuda")
-def _activation_cuda(x, act):
-    return activation_fwd(x, act)
-
-
-@_activation.register_fake
-def _(x, act):
-    _code(act)  # an unknown activation fails at trace time, not at run time
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("packedenc::activation_bwd", mutates_args=(), device_types="cpu")
-def _activation_bwd(dy: Tensor, x: Tensor, act: str) -> Tensor:
-    dx = reference_bwd.activation_bwd(dy, x, act)
-    return dy.clone(memory_format=torch.contiguous_format) if dx is dy else dx.contiguous()  # "linear"
-
-
-@_activation_bwd.register_kernel("cuda")
 def _activation_bwd_cuda(dy, x, act):
     return activation_bwd(dy, x, act)
 
 
-@_activation_bwd.register_fake
-def _(dy, x, act):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@triton_op("packedenc::activation_bwd", mutates_args=())
+def _activation_bwd(dy: Tensor, x: Tensor, act: str) -> Tensor:
+    if dy.is_cuda:
+        return _activation_bwd_cuda(dy, x, act)
+    dx = reference_bwd.activation_bwd(dy, x, act)
+    return dy.clone(memory_format=torch.contiguous_format) if dx is dy else dx.contiguous()  # "linear"
 
 
 def _setup(ctx, inputs, output):
@@ -270,37 +262,27 @@ _activation.register_autograd(_backward, setup_context=_setup)
 _activation_eager = eager_autograd(_activation_cuda, _setup, _backward)
 
 
-@torch.library.custom_op("packedenc::bias_activation", mutates_args=(), device_types="cpu")
-def _bias_activation(x: Tensor, bias: Tensor, act: str) -> Tensor:
-    return reference.activation(x, act, bias=bias).contiguous()  # a new tensor: x + bias never aliases x
-
-
-@_bias_activation.register_kernel("cuda")
 def _bias_activation_cuda(x, bias, act):
     return bias_activation_fwd(x, bias, act)
 
 
-@_bias_activation.register_fake
-def _(x, bias, act):
-    _code(act)
-    reference.check_bias("activation", bias, x)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@triton_op("packedenc::bias_activation", mutates_args=())
+def _bias_activation(x: Tensor, bias: Tensor, act: str) -> Tensor:
+    if x.is_cuda:
+        return _bias_activation_cuda(x, bias, act)
+    return reference.activation(x, act, bias=bias).contiguous()  # a new tensor: x + bias never aliases x
 
 
-@torch.library.custom_op("packedenc::bias_activation_bwd", mutates_args=(), device_types="cpu")
-def _bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str) -> tuple[Tensor, Tensor]:
-    dx, db = reference_bwd.bias_activation_bwd(dy, x, bias, act)
-    return dy.clone(memory_format=torch.contiguous_format) if dx is dy else dx.contiguous(), db  # "linear"
-
-
-@_bias_activation_bwd.register_kernel("cuda")
 def _bias_activation_bwd_cuda(dy, x, bias, act):
     return bias_activation_bwd(dy, x, bias, act)
 
 
-@_bias_activation_bwd.register_fake
-def _(dy, x, bias, act):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(bias)
+@triton_op("packedenc::bias_activation_bwd", mutates_args=())
+def _bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    if dy.is_cuda:
+        return _bias_activation_bwd_cuda(dy, x, bias, act)
+    dx, db = reference_bwd.bias_activation_bwd(dy, x, bias, act)
+    return dy.clone(memory_format=torch.contiguous_format) if dx is dy else dx.contiguous(), db  # "linear"
 
 
 def _bias_setup(ctx, inputs, output):

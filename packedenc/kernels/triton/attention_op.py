@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.errors import InputError
 from packedenc.kernels import reference
@@ -48,36 +49,22 @@ def _split(q: Tensor, k: Tensor | None, v: Tensor | None) -> tuple[Tensor, Tenso
 # ---- the registered op ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("packedenc::triton_varlen_attention", mutates_args=(), device_types="cpu")
+def _fwd_cuda(q, k, v, cu_seqlens, max_seqlen, left, right, scale, lse):
+    out, lse2 = attention_fwd(*_split(q, k, v), cu_seqlens, max_seqlen, (left, right), scale, lse=lse)
+    return out, lse2 if lse else q.new_empty((0,), dtype=torch.float32)
+
+
+@triton_op("packedenc::triton_varlen_attention", mutates_args=())
 def _fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens: Tensor, max_seqlen: int, left: int,
          right: int, scale: float, lse: bool) -> tuple[Tensor, Tensor]:
+    if q.is_cuda:
+        return _fwd_cuda(q, k, v, cu_seqlens, max_seqlen, left, right, scale, lse)
     qs, ks, vs = _split(q, k, v)
     out = reference.varlen_attention(qs, ks, vs, cu_seqlens, max_seqlen, (left, right), scale).contiguous()
     # The CPU backward recomputes the probabilities (reference_bwd): this LSE2 is never read.
     return out, q.new_zeros((qs.shape[1], qs.shape[0]) if lse else (0,), dtype=torch.float32)
 
 
-@_fwd.register_kernel("cuda")
-def _fwd_cuda(q, k, v, cu_seqlens, max_seqlen, left, right, scale, lse):
-    out, lse2 = attention_fwd(*_split(q, k, v), cu_seqlens, max_seqlen, (left, right), scale, lse=lse)
-    return out, lse2 if lse else q.new_empty((0,), dtype=torch.float32)
-
-
-@_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, left, right, scale, lse):
-    T, H, K = q.shape[0], q.shape[-2], q.shape[-1]
-    return q.new_empty((T, H, K)), q.new_empty((H, T) if lse else (0,), dtype=torch.float32)
-
-
-@torch.library.custom_op("packedenc::triton_varlen_attention_bwd", mutates_args=(), device_types="cpu")
-def _bwd(do: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, out: Tensor, lse: Tensor,
-         cu_seqlens: Tensor, max_seqlen: int, left: int, right: int, scale: float) -> Tensor:
-    """dq, dk, dv as one tensor: (T, 3, H, K) for a fused qkv input, else (3, T, H, K)."""
-    grads = reference_bwd.varlen_attention_bwd(do, *_split(q, k, v), cu_seqlens, (left, right), scale)
-    return torch.stack(grads, 1 if k is None else 0)
-
-
-@_bwd.register_kernel("cuda")
 def _bwd_cuda(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale):
     qs = _split(q, k, v)
     T, H, K = qs[0].shape
@@ -86,10 +73,14 @@ def _bwd_cuda(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale)
     return g
 
 
-@_bwd.register_fake
-def _(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale):
-    T, H, K = q.shape[0], q.shape[-2], q.shape[-1]
-    return q.new_empty((T, 3, H, K) if k is None else (3, T, H, K))
+@triton_op("packedenc::triton_varlen_attention_bwd", mutates_args=())
+def _bwd(do: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, out: Tensor, lse: Tensor,
+         cu_seqlens: Tensor, max_seqlen: int, left: int, right: int, scale: float) -> Tensor:
+    """dq, dk, dv as one tensor: (T, 3, H, K) for a fused qkv input, else (3, T, H, K)."""
+    if do.is_cuda:
+        return _bwd_cuda(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale)
+    grads = reference_bwd.varlen_attention_bwd(do, *_split(q, k, v), cu_seqlens, (left, right), scale)
+    return torch.stack(grads, 1 if k is None else 0)
 
 
 def _setup(ctx, inputs, output):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels.triton._common import check_float, eager_autograd, eager_cuda, launch, next_pow2
 
@@ -150,21 +151,16 @@ def chunked_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
     return loss, grad
 
 
-@torch.library.custom_op("packedenc::linear_cross_entropy", mutates_args=(), device_types="cpu")
-def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
-    return chunked_ce(x, weight, bias, targets)
-
-
-@_linear_ce.register_kernel("cuda")
 def _linear_ce_cuda(x, weight, bias, targets):
     grad = _logits(x, *_padded_head(weight, bias), weight.shape[0])
     return ce_grad_(grad, targets), grad
 
 
-@_linear_ce.register_fake
-def _(x, weight, bias, targets):
-    M, V = x.shape[0], weight.shape[0]
-    return x.new_empty((M,), dtype=torch.float32), x.new_empty((M, _padded(V)))[:, :V]
+@triton_op("packedenc::linear_cross_entropy", mutates_args=())
+def _linear_ce(x: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor) -> tuple[Tensor, Tensor]:
+    if x.is_cuda:
+        return _linear_ce_cuda(x, weight, bias, targets)
+    return chunked_ce(x, weight, bias, targets)
 
 
 def _setup(ctx, inputs, output):

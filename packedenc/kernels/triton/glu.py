@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
@@ -167,35 +168,26 @@ def glu_bwd(dout_TF: Tensor, u_T2F: Tensor, act: str = "gelu") -> Tensor:
     return du.view(u_T2F.shape)
 
 
-@torch.library.custom_op("packedenc::glu", mutates_args=(), device_types="cpu")
-def _glu(u: Tensor, act: str = "gelu") -> Tensor:
-    return reference.glu(u, act)
-
-
-@_glu.register_kernel("cuda")
 def _glu_cuda(u, act="gelu"):
     return glu_fwd(u, act)
 
 
-@_glu.register_fake
-def _(u, act="gelu"):
-    _code(act)  # an unknown activation fails at trace time, not at run time
-    return u.new_empty((*u.shape[:-1], u.shape[-1] // 2))
+@triton_op("packedenc::glu", mutates_args=())
+def _glu(u: Tensor, act: str = "gelu") -> Tensor:
+    if u.is_cuda:
+        return _glu_cuda(u, act)
+    return reference.glu(u, act)
 
 
-@torch.library.custom_op("packedenc::glu_bwd", mutates_args=(), device_types="cpu")
-def _glu_bwd(dout: Tensor, u: Tensor, act: str) -> Tensor:
-    return reference_bwd.glu_bwd(dout, u, act)
-
-
-@_glu_bwd.register_kernel("cuda")
 def _glu_bwd_cuda(dout, u, act):
     return glu_bwd(dout, u, act)
 
 
-@_glu_bwd.register_fake
-def _(dout, u, act):
-    return torch.empty_like(u)
+@triton_op("packedenc::glu_bwd", mutates_args=())
+def _glu_bwd(dout: Tensor, u: Tensor, act: str) -> Tensor:
+    if dout.is_cuda:
+        return _glu_bwd_cuda(dout, u, act)
+    return reference_bwd.glu_bwd(dout, u, act)
 
 
 def _setup(ctx, inputs, output):

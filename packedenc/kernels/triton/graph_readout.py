@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import (
@@ -203,23 +204,18 @@ def readout_bwd(
 # ---- registered ops (CPU: the reference; CUDA: the kernels) ------------------------------------
 
 
-@torch.library.custom_op("packedenc::graph_readout", mutates_args=(), device_types="cpu")
-def _readout(z: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, max_seqlen: int
-             ) -> tuple[Tensor, Tensor, Tensor]:
-    out = reference.graph_readout(z, weight, bias, cu_seqlens, max_seqlen)
-    S = cu_seqlens.numel() - 1  # the CPU backward recomputes through the reference: stats unused
-    return out, z.new_zeros((S,), dtype=torch.float32), z.new_zeros((S,), dtype=torch.float32)
-
-
-@_readout.register_kernel("cuda")
 def _readout_cuda(z, weight, bias, cu_seqlens, max_seqlen):
     return readout_fwd(z, weight, bias, cu_seqlens)
 
 
-@_readout.register_fake
-def _(z, weight, bias, cu_seqlens, max_seqlen):
-    S = cu_seqlens.shape[0] - 1
-    return z.new_empty((S, z.shape[1])), z.new_empty((S,), dtype=torch.float32), z.new_empty((S,), dtype=torch.float32)
+@triton_op("packedenc::graph_readout", mutates_args=())
+def _readout(z: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, max_seqlen: int
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    if z.is_cuda:
+        return _readout_cuda(z, weight, bias, cu_seqlens, max_seqlen)
+    out = reference.graph_readout(z, weight, bias, cu_seqlens, max_seqlen)
+    S = cu_seqlens.numel() - 1  # the CPU backward recomputes through the reference: stats unused
+    return out, z.new_zeros((S,), dtype=torch.float32), z.new_zeros((S,), dtype=torch.float32)
 
 
 def readout_bwd_reference(g_SD: Tensor, z_TD: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor
@@ -256,22 +252,18 @@ def readout_bwd_reference(g_SD: Tensor, z_TD: Tensor, weight: Tensor, bias: Tens
     return dz.to(z_TD.dtype), dweight, dbias
 
 
-@torch.library.custom_op("packedenc::graph_readout_bwd", mutates_args=(), device_types="cpu")
-def _readout_bwd(g: Tensor, z: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, m: Tensor,
-                 den: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dz, dw, db = readout_bwd_reference(g, z, weight, bias, cu_seqlens)
-    return dz, dw, db if db is not None else weight.new_empty((0,))  # an op cannot return None
-
-
-@_readout_bwd.register_kernel("cuda")
 def _readout_bwd_cuda(g, z, weight, bias, cu_seqlens, m, den):
     dz, dw, db = readout_bwd(g, z, weight, bias, cu_seqlens, m, den)
     return dz, dw, db if db is not None else weight.new_empty((0,))
 
 
-@_readout_bwd.register_fake
-def _(g, z, weight, bias, cu_seqlens, m, den):
-    return torch.empty_like(z), torch.empty_like(weight), torch.empty_like(bias) if bias is not None else weight.new_empty((0,))
+@triton_op("packedenc::graph_readout_bwd", mutates_args=())
+def _readout_bwd(g: Tensor, z: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, m: Tensor,
+                 den: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if g.is_cuda:
+        return _readout_bwd_cuda(g, z, weight, bias, cu_seqlens, m, den)
+    dz, dw, db = readout_bwd_reference(g, z, weight, bias, cu_seqlens)
+    return dz, dw, db if db is not None else weight.new_empty((0,))  # an op cannot return None
 
 
 def _setup(ctx, inputs, output):

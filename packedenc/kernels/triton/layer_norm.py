@@ -13,9 +13,9 @@ recompute the statistics, write dx and one fp32 partial row each of dweight, dbi
 x_bias) d x_bias = column sums of the fp32 dx, into one (P, k, D) buffer: one torch sum and one
 cast then give all k. The partition depends only on T, so the backward is deterministic (no atomics).
 
-Each op is a `torch.library.custom_op` whose CPU implementation is `kernels/reference/` and whose
-CUDA implementation launches the kernel; the backward is itself an op (CPU: autograd of the
-reference), so `torch.compile(fullgraph=True)` traces forward and backward through fakes.
+Each op is a `torch.library.triton_op` whose CPU branch is `kernels/reference/` and whose CUDA
+branch launches the kernel; the backward is itself an op (CPU: autograd of the reference), so
+`torch.compile(fullgraph=True)` traces forward and backward into the Triton kernels themselves.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
@@ -33,83 +34,65 @@ __all__ = ["layer_norm", "add_layer_norm", "embed_layer_norm"]
 
 
 # ---- registered ops ----------------------------------------------------------------------------
+# Each op's CUDA branch launches the kernel through `_common.launch`, which a trace records with
+# `wrap_triton`; the function is also the op's fake (shapes from the same code, no second copy).
 
 
-@torch.library.custom_op("packedenc::layer_norm", mutates_args=(), device_types="cpu")
-def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-    return reference.layer_norm(x, weight, bias, eps)
-
-
-@_layer_norm.register_kernel("cuda")
 def _layer_norm_cuda(x, weight, bias, eps):
     return ln_fwd(x, weight, bias, eps)[0]
 
 
-@_layer_norm.register_fake
-def _(x, weight, bias, eps):
-    return torch.empty_like(x)
+@triton_op("packedenc::layer_norm", mutates_args=())
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    if x.is_cuda:
+        return _layer_norm_cuda(x, weight, bias, eps)
+    return reference.layer_norm(x, weight, bias, eps)
 
 
-@torch.library.custom_op("packedenc::add_layer_norm", mutates_args=(), device_types="cpu")
-def _add_layer_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float, x_bias: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    return reference.add_layer_norm(x, residual, weight, bias, eps, x_bias)
-
-
-@_add_layer_norm.register_kernel("cuda")
 def _add_layer_norm_cuda(x, residual, weight, bias, eps, x_bias=None):
     return ln_fwd(x, weight, bias, eps, residual=residual, x_bias=x_bias)
 
 
-@_add_layer_norm.register_fake
-def _(x, residual, weight, bias, eps, x_bias=None):
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    shape = torch.broadcast_shapes(x.shape, residual.shape)
-    return x.new_empty(shape, dtype=dtype), x.new_empty(shape, dtype=dtype)
+@triton_op("packedenc::add_layer_norm", mutates_args=())
+def _add_layer_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float, x_bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    if x.is_cuda:
+        return _add_layer_norm_cuda(x, residual, weight, bias, eps, x_bias)
+    return reference.add_layer_norm(x, residual, weight, bias, eps, x_bias)
 
 
-@torch.library.custom_op("packedenc::embed_layer_norm", mutates_args=(), device_types="cpu")
-def _embed_layer_norm(ids: Tensor, table: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-    return reference.embed_layer_norm(ids, table, weight, bias, eps)
-
-
-@_embed_layer_norm.register_kernel("cuda")
 def _embed_layer_norm_cuda(ids, table, weight, bias, eps):
     return ln_fwd(table, weight, bias, eps, ids=ids)[0].view(*ids.shape, table.shape[-1])
 
 
-@_embed_layer_norm.register_fake
-def _(ids, table, weight, bias, eps):
-    return table.new_empty((*ids.shape, table.shape[-1]))
+@triton_op("packedenc::embed_layer_norm", mutates_args=())
+def _embed_layer_norm(ids: Tensor, table: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    if ids.is_cuda:
+        return _embed_layer_norm_cuda(ids, table, weight, bias, eps)
+    return reference.embed_layer_norm(ids, table, weight, bias, eps)
+
+
+def _layer_norm_bwd_cuda(dy, x, ids, dsum, weight, eps, need_db=True, need_dxb=False):
+    return ln_bwd(dy, x, weight, eps, dsum=dsum, ids=ids, need_db=need_db, need_dxb=need_dxb)
 
 
 # The backward op: dx of the LayerNorm input rows (gathered from `x` through `ids` when given),
 # plus `dsum` (gradient arriving at the LayerNorm input from elsewhere), and the (k, D) fp32 sums:
 # dweight, then dbias if `need_db` (bias-free norms skip that reduction), then d x_bias (column
 # sums of dx) if `need_dxb`. One stacked output: the autograd functions cast it once and unbind.
-@torch.library.custom_op("packedenc::layer_norm_bwd", mutates_args=(), device_types="cpu")
+@triton_op("packedenc::layer_norm_bwd", mutates_args=())
 def _layer_norm_bwd(
     dy: Tensor, x: Tensor, ids: Tensor | None, dsum: Tensor | None, weight: Tensor, eps: float,
     need_db: bool = True, need_dxb: bool = False,
 ) -> tuple[Tensor, Tensor]:
+    if dy.is_cuda:
+        return _layer_norm_bwd_cuda(dy, x, ids, dsum, weight, eps, need_db, need_dxb)
     rows_ = F.embedding(ids, x) if ids is not None else x
     # an fp32 weight makes the reference return its sums unrounded, as the kernel's partials are
     dx, dw, db, dxb = reference_bwd.layer_norm_bwd(dy, rows_, weight.float(), eps, dsum, need_dxb=True)
     sums = [dw] + [db] * need_db + [dxb] * need_dxb
     return dx.reshape(-1, x.shape[-1]), torch.stack(sums)
-
-
-@_layer_norm_bwd.register_kernel("cuda")
-def _layer_norm_bwd_cuda(dy, x, ids, dsum, weight, eps, need_db=True, need_dxb=False):
-    return ln_bwd(dy, x, weight, eps, dsum=dsum, ids=ids, need_db=need_db, need_dxb=need_dxb)
-
-
-@_layer_norm_bwd.register_fake
-def _(dy, x, ids, dsum, weight, eps, need_db=True, need_dxb=False):
-    D = x.shape[-1]
-    T = ids.numel() if ids is not None else x.numel() // D
-    return x.new_empty((T, D)), weight.new_empty((1 + need_db + need_dxb, D), dtype=torch.float32)
 
 
 def _split(sums: Tensor, weight: Tensor, has_bias: bool, xb_dtype: torch.dtype | None = None):

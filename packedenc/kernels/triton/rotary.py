@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels import reference
 from packedenc.kernels.reference import backward as reference_bwd
@@ -178,37 +179,27 @@ def rotary_bwd(dq_THK: Tensor, dk_THK: Tensor, positions_T: Tensor, theta: float
 # ---- registered ops: (q, k) for inference, (q, k, v) for training ------------------------------
 
 
-@torch.library.custom_op("packedenc::rotary", mutates_args=(), device_types="cpu")
-def _rotary(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
-    q, k = reference.rotary(qkv, positions, theta, scaling)
-    return q.contiguous(), k.contiguous()
-
-
-@_rotary.register_kernel("cuda")
 def _rotary_cuda(qkv, positions, theta, scaling=1.0):
     return rotary_fwd(qkv, positions, theta, scaling)
 
 
-@_rotary.register_fake
-def _(qkv, positions, theta, scaling=1.0):
-    T, _, H, K = qkv.shape
-    return qkv.new_empty((T, H, K)), qkv.new_empty((T, H, K))
+@triton_op("packedenc::rotary", mutates_args=())
+def _rotary(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+    if qkv.is_cuda:
+        return _rotary_cuda(qkv, positions, theta, scaling)
+    q, k = reference.rotary(qkv, positions, theta, scaling)
+    return q.contiguous(), k.contiguous()
 
 
-@torch.library.custom_op("packedenc::rotary_bwd", mutates_args=(), device_types="cpu")
-def _rotary_bwd(dq: Tensor, dk: Tensor, positions: Tensor, theta: float, scaling: float) -> Tensor:
-    return reference_bwd.rotary_bwd(dq, dk, positions, theta, scaling)
-
-
-@_rotary_bwd.register_kernel("cuda")
 def _rotary_bwd_cuda(dq, dk, positions, theta, scaling):
     return rotary_bwd(dq, dk, positions, theta, scaling)
 
 
-@_rotary_bwd.register_fake
-def _(dq, dk, positions, theta, scaling):
-    T, H, K = dq.shape
-    return dq.new_empty((T, 3, H, K))
+@triton_op("packedenc::rotary_bwd", mutates_args=())
+def _rotary_bwd(dq: Tensor, dk: Tensor, positions: Tensor, theta: float, scaling: float) -> Tensor:
+    if dq.is_cuda:
+        return _rotary_bwd_cuda(dq, dk, positions, theta, scaling)
+    return reference_bwd.rotary_bwd(dq, dk, positions, theta, scaling)
 
 
 def _setup(ctx, inputs, output):
@@ -227,37 +218,27 @@ _rotary.register_autograd(_backward, setup_context=_setup)
 _rotary_eager = eager_autograd(_rotary_cuda, _setup, _backward)
 
 
-@torch.library.custom_op("packedenc::rotary_qkv", mutates_args=(), device_types="cpu")
-def _rotary_qkv(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v = reference.rotary(qkv, positions, theta, scaling, with_v=True)
-    return q.contiguous(), k.contiguous(), v.contiguous()
-
-
-@_rotary_qkv.register_kernel("cuda")
 def _rotary_qkv_cuda(qkv, positions, theta, scaling=1.0):
     return rotary_fwd(qkv, positions, theta, scaling, with_v=True)
 
 
-@_rotary_qkv.register_fake
-def _(qkv, positions, theta, scaling=1.0):
-    T, _, H, K = qkv.shape
-    return qkv.new_empty((T, H, K)), qkv.new_empty((T, H, K)), qkv.new_empty((T, H, K))
+@triton_op("packedenc::rotary_qkv", mutates_args=())
+def _rotary_qkv(qkv: Tensor, positions: Tensor, theta: float, scaling: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    if qkv.is_cuda:
+        return _rotary_qkv_cuda(qkv, positions, theta, scaling)
+    q, k, v = reference.rotary(qkv, positions, theta, scaling, with_v=True)
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-@torch.library.custom_op("packedenc::rotary_qkv_bwd", mutates_args=(), device_types="cpu")
-def _rotary_qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, positions: Tensor, theta: float, scaling: float) -> Tensor:
-    return reference_bwd.rotary_bwd(dq, dk, positions, theta, scaling, dv)
-
-
-@_rotary_qkv_bwd.register_kernel("cuda")
 def _rotary_qkv_bwd_cuda(dq, dk, dv, positions, theta, scaling):
     return rotary_bwd(dq, dk, positions, theta, scaling, dv)
 
 
-@_rotary_qkv_bwd.register_fake
-def _(dq, dk, dv, positions, theta, scaling):
-    T, H, K = dq.shape
-    return dq.new_empty((T, 3, H, K))
+@triton_op("packedenc::rotary_qkv_bwd", mutates_args=())
+def _rotary_qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, positions: Tensor, theta: float, scaling: float) -> Tensor:
+    if dq.is_cuda:
+        return _rotary_qkv_bwd_cuda(dq, dk, dv, positions, theta, scaling)
+    return reference_bwd.rotary_bwd(dq, dk, positions, theta, scaling, dv)
 
 
 def _qkv_backward(ctx, dq, dk, dv):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.library import triton_op
 
 from packedenc.kernels.reference import deberta as reference
 from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
@@ -25,12 +26,21 @@ __all__ = ["deberta_attention"]
 # ---- registered ops (CPU: the reference; CUDA: the kernels) ------------------------------------
 
 
-@torch.library.custom_op("packedenc::deberta_attention", mutates_args=(), device_types="cpu")
+def _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                            max_relative_positions, scale, seq_order=None):
+    return deberta_attention_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                                 max_relative_positions, scale, seq_order=seq_order)
+
+
+@triton_op("packedenc::deberta_attention", mutates_args=())
 def _deberta_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key: Tensor | None,
     pos_query: Tensor | None, position_buckets: int, max_relative_positions: int, scale: float,
     seq_order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    if q.is_cuda:
+        return _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                                       max_relative_positions, scale, seq_order)
     types = tuple(t for t, x in (("c2p", pos_key), ("p2c", pos_query)) if x is not None)
     o = reference.deberta_attention(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, pos_att_type=types,
                                     position_buckets=position_buckets, max_relative_positions=max_relative_positions,
@@ -40,46 +50,26 @@ def _deberta_attention(
     return o.contiguous(), lse
 
 
-@_deberta_attention.register_kernel("cuda")
-def _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale,
-      seq_order=None):
-    return deberta_attention_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
-                                 max_relative_positions, scale, seq_order=seq_order)
-
-
-@_deberta_attention.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale,
-      seq_order=None):
-    T, H, K = q.shape
-    return q.new_empty((T, H, K)), q.new_empty((T, H), dtype=torch.float32)
-
-
-# The backward op returns empty (0,) tensors for absent tables: custom ops cannot return None.
-@torch.library.custom_op("packedenc::deberta_attention_bwd", mutates_args=(), device_types="cpu")
-def _deberta_attention_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-    pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = reference.deberta_attention_bwd(do, q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query,
-                                            position_buckets, max_relative_positions, scale)
-    return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
-
-
-@_deberta_attention_bwd.register_kernel("cuda")
-def _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
-      scale):
+# The backward returns empty (0,) tensors for absent tables: custom ops cannot return None.
+def _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                                max_relative_positions, scale):
     grads = deberta_attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
                                   position_buckets, max_relative_positions, scale)
     return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
 
 
-@_deberta_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
-      scale):
-    T, H, K = q.shape
-    tables = (t.new_empty(t.shape) if t is not None else q.new_empty((0,)) for t in (pos_key, pos_query))
-    return (q.new_empty((T, H, K)), q.new_empty((T, H, K)), q.new_empty((T, H, K)), *tables)
+@triton_op("packedenc::deberta_attention_bwd", mutates_args=())
+def _deberta_attention_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+    pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if do.is_cuda:
+        return _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
+                                           position_buckets, max_relative_positions, scale)
+    grads = reference.deberta_attention_bwd(do, q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query,
+                                            position_buckets, max_relative_positions, scale)
+    return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
 
 
 def _setup(ctx, inputs, output):
