@@ -3,7 +3,8 @@ CUDA branch launches through `wrap_triton` when traced, so AOTAutograd's graph (
 compiles) calls the kernels themselves, not an opaque `packedenc::` op.
 
 CPU: `trace_triton_ops.py` in a process without the interpreter, on fake CUDA tensors (the ops a
-CPU-only torch can trace; see that file). GPU: every op, then inductor on a ModernBERT training
+CPU-only torch can trace; see that file), and every launch compiled to TTIR with the argument types
+inductor gives a user-defined kernel. GPU: every op, then inductor on a ModernBERT training
 step, whose generated code must launch our kernels and match the eager step.
 """
 
@@ -30,8 +31,7 @@ KERNEL = {  # op -> the kernel its traced graph must call
     "triton_varlen_attention": "_fwd_kernel", "triton_varlen_attention_bwd": "_bwd_kernel",
     "graph_readout": "_fwd_kernel", "graph_readout_bwd": "_bwd_kernel",
     "linear_cross_entropy": "_ce_kernel",
-    "deberta_attention": "_fwd_kernel", "deberta_attention_bwd": "_bwd_onepass_kernel",
-}
+}  # the DeBERTa attention stays an opaque custom op: see kernels/triton/deberta/op.py
 # a CPU-only torch traces these (no views of fake CUDA tensors, no stream-capture query)
 CPU_TRACED = {"layer_norm", "add_layer_norm", "embed_layer_norm", "layer_norm_bwd", "activation", "activation_bwd",
               "bias_activation", "bias_activation_bwd", "glu", "glu_bwd", "graph_readout", "graph_readout_bwd"}
@@ -52,11 +52,19 @@ def test_ops_trace_into_their_kernels_on_fake_cuda():
     run = subprocess.run([sys.executable, str(HERE / "trace_triton_ops.py")], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    traced = json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    traced = result["trace"]
     _check(traced, CPU_TRACED)
     # the rest stop on the CPU-only build's limits, not in our code: the GPU test traces them
     for name in set(KERNEL) - CPU_TRACED:
         assert "error" in traced[name] or KERNEL[name] in traced[name]["kernels"], (name, traced[name])
+    # every launch compiles for sm_90 with the argument types inductor gives it (fp64 floats, ints
+    # of 1 as constexprs), with no fp64 math, so the compiled graph computes what the eager launch does
+    compiled = result["inductor_ttir"]
+    assert set(compiled) == set(KERNEL)
+    for name, launches in compiled.items():
+        assert KERNEL[name] in {k for k, _, _ in launches}, (name, launches)
+        assert all(err is None for _, _, err in launches), (name, [x for x in launches if x[2]])
 
 
 @pytest.mark.gpu

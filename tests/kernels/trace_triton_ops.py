@@ -1,22 +1,24 @@
-"""Trace every Triton op's CUDA branch as torch.compile's AOT stage does, on a machine without a GPU.
+"""What torch.compile makes of every Triton op, checked on a machine without a GPU.
 
-Fake CUDA tensors stand in for real ones. Without a GPU, run it as a script (never under
-TRITON_INTERPRET: the interpreter has no compiled kernel to record); a stand-in Triton driver then
-names an sm_90 target, so torch's kernel analysis (which arguments a kernel writes) runs as on the
-GPU. Prints one JSON object: op name -> {"kernels": kernel names in the traced graph, "opaque":
-whether a `packedenc::` op was left in it} or {"error": the first line of the error}.
-`test_triton_op_trace.py` runs it (CPU) or imports `trace` (GPU).
+1. `trace`: each op's CUDA branch traced as torch.compile's AOT stage does, on fake CUDA tensors:
+   op name -> {"kernels": kernel names in the traced graph, "opaque": whether a `packedenc::` op was
+   left in it} or {"error": the first line of the error}. Without a GPU a stand-in Triton driver
+   names an sm_90 target, so torch's kernel analysis (which arguments a kernel writes) runs as on
+   the GPU. A CPU-only torch cannot functionalize views of fake CUDA tensors, so the ops whose
+   launchers take views stop with an error there; the GPU traces all.
+2. `inductor_ttir`: each op's launches (recorded, not run) compiled to TTIR for sm_90 with the
+   argument types inductor gives a user-defined kernel: op name -> [(kernel, ints all 1, error)].
 
-A CPU-only torch cannot functionalize views of fake CUDA tensors nor ask whether a CUDA stream is
-capturing, so there the ops whose launchers do either stop with an error; the GPU traces all.
+Run as a script, never under TRITON_INTERPRET (the interpreter has no compiled kernel to record);
+it prints {"trace": ..., "inductor_ttir": ...}. `test_triton_op_trace.py` runs it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
-
 
 import torch
 from torch._functorch.aot_autograd import aot_function
@@ -39,9 +41,9 @@ class _Sm90:
         return torch.device("cuda", 0)
 
 
-def cases():
-    """(op name, args) with fake CUDA tensors: every forward and backward op, bf16."""
-    bf, dev = torch.bfloat16, "cuda"
+def cases(device: str = "cuda"):
+    """(op name, args): every forward and backward op, bf16 (fake tensors when on "cuda")."""
+    bf, dev = torch.bfloat16, device
     T, D, F, H, K, S = 24, 64, 96, 2, 32, 3
 
     def r(*shape, dtype=bf):
@@ -51,7 +53,7 @@ def cases():
     ids, pos = r(T, dtype=torch.int64), r(T, dtype=torch.int64)
     x, w = r(T, D), r(D)
     q, k, v = r(T, H, K), r(T, H, K), r(T, H, K)
-    lse2, lse_th = r(H, T, dtype=torch.float32), r(T, H, dtype=torch.float32)
+    lse2 = r(H, T, dtype=torch.float32)
     m, den = r(S, dtype=torch.float32), r(S, dtype=torch.float32)
     return [
         ("layer_norm", (x, w, w, 1e-5)),
@@ -73,8 +75,6 @@ def cases():
         ("graph_readout", (x, r(1, 2 * D), r(1), cu, 16)),
         ("graph_readout_bwd", (r(S, D), x, r(1, 2 * D), r(1), cu, m, den)),
         ("linear_cross_entropy", (x, r(40, D), r(40), r(T, dtype=torch.int64))),
-        ("deberta_attention", (q, k, v, cu, 16, r(8, H, K), r(8, H, K), 4, 8, 0.2, None)),
-        ("deberta_attention_bwd", (q, q, k, v, q, lse_th, cu, 16, r(8, H, K), r(8, H, K), 4, 8, 0.2)),
     ]
 
 
@@ -109,6 +109,107 @@ def trace() -> dict[str, dict]:
     return out
 
 
+# ---- the kernels as inductor calls them ------------------------------------------------------------
+
+
+def _launchers():
+    """op name -> the CUDA branch of its triton_op (the launcher a trace runs)."""
+    from packedenc.kernels.triton import activation, attention_op, cross_entropy, glu, graph_readout, layer_norm, rotary
+
+    mods = (layer_norm, activation, glu, rotary, attention_op, graph_readout, cross_entropy)
+    found = {}
+    for mod in mods:
+        for attr in dir(mod):
+            obj = getattr(mod, attr)
+            if attr.endswith("_cuda") and callable(obj):
+                found[attr] = obj
+    by_op = {"layer_norm": "_layer_norm_cuda", "add_layer_norm": "_add_layer_norm_cuda",
+             "embed_layer_norm": "_embed_layer_norm_cuda", "layer_norm_bwd": "_layer_norm_bwd_cuda",
+             "activation": "_activation_cuda", "activation_bwd": "_activation_bwd_cuda",
+             "bias_activation": "_bias_activation_cuda", "bias_activation_bwd": "_bias_activation_bwd_cuda",
+             "glu": "_glu_cuda", "glu_bwd": "_glu_bwd_cuda", "rotary": "_rotary_cuda", "rotary_bwd": "_rotary_bwd_cuda",
+             "rotary_qkv": "_rotary_qkv_cuda", "rotary_qkv_bwd": "_rotary_qkv_bwd_cuda",
+             "triton_varlen_attention": "_fwd_cuda", "triton_varlen_attention_bwd": "_bwd_cuda",
+             "graph_readout": "_readout_cuda", "graph_readout_bwd": "_readout_bwd_cuda",
+             "linear_cross_entropy": "_linear_ce_cuda"}
+    return {op: found[fn] for op, fn in by_op.items()}
+
+
+_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+        torch.int64: "*i64", torch.bool: "*u8", torch.uint8: "*u8"}
+
+
+def _inductor_source(kernel, args: tuple, meta: dict, ints_one: bool = False):
+    """The kernel's ASTSource with the argument types inductor gives a user-defined kernel:
+    Python floats fp64, ints equal to 1 and Nones constexpr (torch/_inductor/codegen/wrapper.py).
+    `ints_one`: every int argument 1 (one sequence, one head, ...), so every one is a constexpr."""
+    from triton.compiler.compiler import ASTSource
+
+    if ints_one:
+        args = tuple(1 if type(a) is int else a for a in args)
+    values = dict(zip(kernel.arg_names, args))
+    values.update({k: v for k, v in meta.items() if k in kernel.arg_names})
+    signature, constexprs = {}, {}
+    for p in kernel.params:
+        v = values.get(p.name, p.default)
+        if p.is_constexpr or v is None or (type(v) is int and v == 1):
+            signature[p.name], constexprs[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = _PTR[v.dtype]
+        elif type(v) is float:
+            signature[p.name] = "fp64"
+        elif type(v) is bool:
+            signature[p.name] = "i1"
+        else:
+            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+    return ASTSource(kernel, signature, constexprs)
+
+
+def inductor_ttir() -> dict[str, list]:
+    """op name -> [(kernel, error or None)]: each launch of the op's CUDA branch (run on CPU tensors,
+    its launches recorded instead of run) compiled to TTIR for sm_90 with inductor's argument types."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    from packedenc.kernels.triton import _common
+
+    class _PassThrough(TorchDispatchMode):  # makes `launch` take its traced branch
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    launchers, out = _launchers(), {}
+    calls: list = []
+    saved = _common._traced_launch
+    _common._traced_launch = lambda kernel, grid, args, meta: calls.append((kernel, args, meta))
+    try:
+        for name, args in cases(device="cpu"):
+            calls.clear()
+            with _PassThrough():
+                launchers[name](*args)
+            out[name] = []
+            for (kernel, kargs, meta), ones in itertools.product(calls, (False, True)):
+                context = ir.context()
+                ir.load_dialects(context)
+                backend.load_dialects(context)
+                try:
+                    mod = _inductor_source(kernel, kargs, meta, ones).make_ir(
+                        target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                        context)
+                    # fp64 arguments are cast to fp32 once; any other f64 is fp64 math the eager launch lacks
+                    f64 = [ln.strip() for ln in str(mod).splitlines() if "f64" in ln and "arith.truncf" not in ln
+                           and "tt.func" not in ln and "loc(" not in ln.split("f64")[0][-6:]]
+                    out[name].append((kernel.fn.__name__, ones, f"fp64 math: {f64[:2]}" if f64 else None))
+                except Exception as e:  # noqa: BLE001  (reported, the test names it)
+                    out[name].append((kernel.fn.__name__, ones, " | ".join(str(e).strip().splitlines()[-3:])[:400]))
+    finally:
+        _common._traced_launch = saved
+    return out
+
+
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
-    print(json.dumps(trace()))
+    print(json.dumps({"trace": trace(), "inductor_ttir": inductor_ttir()}))

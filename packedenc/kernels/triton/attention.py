@@ -180,6 +180,7 @@ def _fwd_kernel(
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
     ROPE: tl.constexpr = False,  # rotate q and k (split-half RoPE) as they are read: inference only
 ):
+    qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
     h = tl.program_id(1).to(tl.int64)
     rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
         CU, tl.program_id(0), T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)

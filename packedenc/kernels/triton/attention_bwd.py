@@ -189,6 +189,7 @@ def _bwd_kernel(
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
     PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
 ):
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
     if PASS == 0:

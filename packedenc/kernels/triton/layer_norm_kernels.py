@@ -51,6 +51,7 @@ def _ln_fwd_kernel(
     BLOCK_D: tl.constexpr,
     STORE_SUM: tl.constexpr = True,  # False: the caller drops the sum (post-LN inference)
 ):
+    eps = tl.cast(eps, tl.float32)  # torch.compile passes Python floats as fp64
     row = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     col = tl.arange(0, BLOCK_D)
     rmask = row < T
@@ -102,6 +103,7 @@ def _ln_bwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    eps = tl.cast(eps, tl.float32)  # torch.compile passes Python floats as fp64
     pid = tl.program_id(0)
     col = tl.arange(0, BLOCK_D)
     cmask = col < D

@@ -58,6 +58,7 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
+    scaling = tl.cast(scaling, tl.float32)  # torch.compile passes Python floats as fp64
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_J)

@@ -6,13 +6,16 @@ Shapes: T packed tokens, S sequences, H heads, K head dim, R position-table rows
 
 The registered ops launch with the shipped options (`launch.TILES`): a custom op's schema carries
 tensors and scalars only. A caller that times or tests other tiles calls the launchers directly.
+
+Unlike the other Triton ops these are opaque `custom_op`s, not `triton_op`s: the launchers keep the
+relative-position slot tables cached per device (real tensors, built with host reads of their
+values, `slots.py`), which a trace cannot take in, so torch.compile calls the op as a whole.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
 
 from packedenc.kernels.reference import deberta as reference
 from packedenc.kernels.triton._common import direct_launch, eager_autograd, eager_cuda, launch_or_op
@@ -26,21 +29,12 @@ __all__ = ["deberta_attention"]
 # ---- registered ops (CPU: the reference; CUDA: the kernels) ------------------------------------
 
 
-def _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
-                            max_relative_positions, scale, seq_order=None):
-    return deberta_attention_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
-                                 max_relative_positions, scale, seq_order=seq_order)
-
-
-@triton_op("packedenc::deberta_attention", mutates_args=())
+@torch.library.custom_op("packedenc::deberta_attention", mutates_args=(), device_types="cpu")
 def _deberta_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key: Tensor | None,
     pos_query: Tensor | None, position_buckets: int, max_relative_positions: int, scale: float,
     seq_order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    if q.is_cuda:
-        return _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
-                                       max_relative_positions, scale, seq_order)
     types = tuple(t for t, x in (("c2p", pos_key), ("p2c", pos_query)) if x is not None)
     o = reference.deberta_attention(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, pos_att_type=types,
                                     position_buckets=position_buckets, max_relative_positions=max_relative_positions,
@@ -50,26 +44,46 @@ def _deberta_attention(
     return o.contiguous(), lse
 
 
-# The backward returns empty (0,) tensors for absent tables: custom ops cannot return None.
-def _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
-                                max_relative_positions, scale):
-    grads = deberta_attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
-                                  position_buckets, max_relative_positions, scale)
-    return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
+@_deberta_attention.register_kernel("cuda")
+def _deberta_attention_cuda(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale,
+      seq_order=None):
+    return deberta_attention_fwd(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets,
+                                 max_relative_positions, scale, seq_order=seq_order)
 
 
-@triton_op("packedenc::deberta_attention_bwd", mutates_args=())
+@_deberta_attention.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions, scale,
+      seq_order=None):
+    T, H, K = q.shape
+    return q.new_empty((T, H, K)), q.new_empty((T, H), dtype=torch.float32)
+
+
+# The backward op returns empty (0,) tensors for absent tables: custom ops cannot return None.
+@torch.library.custom_op("packedenc::deberta_attention_bwd", mutates_args=(), device_types="cpu")
 def _deberta_attention_bwd(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, cu_seqlens: Tensor, max_seqlen: int,
     pos_key: Tensor | None, pos_query: Tensor | None, position_buckets: int, max_relative_positions: int,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if do.is_cuda:
-        return _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
-                                           position_buckets, max_relative_positions, scale)
     grads = reference.deberta_attention_bwd(do, q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query,
                                             position_buckets, max_relative_positions, scale)
     return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
+
+
+@_deberta_attention_bwd.register_kernel("cuda")
+def _deberta_attention_bwd_cuda(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
+      scale):
+    grads = deberta_attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query,
+                                  position_buckets, max_relative_positions, scale)
+    return tuple(g if g is not None else q.new_empty((0,)) for g in grads)
+
+
+@_deberta_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, max_seqlen, pos_key, pos_query, position_buckets, max_relative_positions,
+      scale):
+    T, H, K = q.shape
+    tables = (t.new_empty(t.shape) if t is not None else q.new_empty((0,)) for t in (pos_key, pos_query))
+    return (q.new_empty((T, H, K)), q.new_empty((T, H, K)), q.new_empty((T, H, K)), *tables)
 
 
 def _setup(ctx, inputs, output):
