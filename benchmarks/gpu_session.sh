@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One stage of an H200 session, each sized to fit one device call (< 10 minutes):
 #
+#   bash benchmarks/gpu_session.sh compile      # the GPU tests of torch.compile (inductor compiling our kernels)
 #   bash benchmarks/gpu_session.sh tests        # the `gpu`-marked test suite (with the stack: over 10 minutes,
 #                                               #   so a queue runs it as tests-kernels, then tests-rest)
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
@@ -63,7 +64,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -79,7 +80,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|compile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -119,6 +120,9 @@ case "$stage" in
             echo "tests: waiting for the gpu-stack (the suite runs with it)"; exit 3
         fi
         timeout ${TESTS_LIMIT:-560} python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    compile)  # every GPU test whose name says trace or compile: inductor compiles our Triton kernels
+        timeout ${TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging -k "trace or compile" tests \
+            2>&1 | tee "$out/compile.log" | tail -25 ;;
     tests-kernels|tests-rest)  # the suite in two calls' worth: with the stack it needs ~11 minutes
         if [ "${REQUIRE_STACK:-0}" = 1 ] && [ ! -d "$stack/flash_attn" ]; then
             echo "$stage: waiting for the gpu-stack (the suite runs with it)"; exit 3
