@@ -4,7 +4,7 @@ compiles) calls the kernels themselves, not an opaque `packedenc::` op.
 
 CPU: `trace_triton_ops.py` in a process without the interpreter, on fake CUDA tensors (the ops a
 CPU-only torch can trace; see that file), and every launch compiled to TTIR with the argument types
-inductor gives a user-defined kernel. GPU: every op, then inductor on a ModernBERT training
+inductor gives a user-defined kernel, and every launcher with symbolic token counts. GPU: every op, then inductor on a ModernBERT training
 step, whose generated code must launch our kernels and match the eager step.
 """
 
@@ -65,6 +65,8 @@ def test_ops_trace_into_their_kernels_on_fake_cuda():
     for name, launches in compiled.items():
         assert KERNEL[name] in {k for k, _, _ in launches}, (name, launches)
         assert all(err is None for _, _, err in launches), (name, [x for x in launches if x[2]])
+    # and every launcher takes symbolic token / sequence counts (torch.compile's dynamic shapes)
+    assert result["symbolic"] == dict.fromkeys(KERNEL), {k: v for k, v in result["symbolic"].items() if v}
 
 
 @pytest.mark.gpu

@@ -8,9 +8,11 @@
    launchers take views stop with an error there; the GPU traces all.
 2. `inductor_ttir`: each op's launches (recorded, not run) compiled to TTIR for sm_90 with the
    argument types inductor gives a user-defined kernel: op name -> [(kernel, ints all 1, error)].
+3. `symbolic`: each op's launcher with symbolic token and sequence counts (dynamic shapes):
+   op name -> None or the error.
 
 Run as a script, never under TRITON_INTERPRET (the interpreter has no compiled kernel to record);
-it prints {"trace": ..., "inductor_ttir": ...}. `test_triton_op_trace.py` runs it.
+it prints {"trace": ..., "inductor_ttir": ..., "symbolic": ...}. `test_triton_op_trace.py` runs it.
 """
 
 from __future__ import annotations
@@ -210,6 +212,40 @@ def inductor_ttir() -> dict[str, list]:
     return out
 
 
+def symbolic() -> dict[str, str | None]:
+    """op name -> None, or the error its CUDA branch raises when the token counts are symbolic.
+
+    Varlen batches change T and S from call to call, so torch.compile (automatic dynamic shapes)
+    traces the launchers with SymInts for them: tile choices must guard on comparisons, grids be
+    expressions, nothing hash a SymInt. The launchers run on CPU fake tensors whose token and
+    sequence dims are symbolic, their launches recorded."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from packedenc.kernels.triton import _common
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    T, S = 24, 3  # cases(): T tokens, S sequences
+
+    def fake(t):
+        dims = [DimDynamic.DYNAMIC if n in (T, S, S + 1) else DimDynamic.STATIC for n in t.shape]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+    launchers, out = _launchers(), {}
+    saved = _common._traced_launch
+    _common._traced_launch = lambda kernel, grid, args, meta: None
+    try:
+        for name, args in cases(device="cpu"):
+            with mode:
+                try:
+                    launchers[name](*(fake(a) if isinstance(a, torch.Tensor) else a for a in args))
+                    out[name] = None
+                except Exception as e:  # noqa: BLE001  (reported, the test names it)
+                    out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    finally:
+        _common._traced_launch = saved
+    return out
+
+
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
-    print(json.dumps({"trace": trace(), "inductor_ttir": inductor_ttir()}))
+    print(json.dumps({"trace": trace(), "inductor_ttir": inductor_ttir(), "symbolic": symbolic()}))

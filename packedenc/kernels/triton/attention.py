@@ -236,27 +236,33 @@ SHORT_SEQLEN = 128
 LONG_T = 32768
 
 
-@functools.lru_cache(maxsize=1024)  # host time: called on every launch
-def _case(T: int, max_seqlen: int, windowed: bool, head_dim: int):
+@functools.lru_cache(maxsize=64)  # host time: called on every launch
+def _case(short: bool, long_t: bool, windowed: bool, head_dim: int):
     if head_dim > 128:
         return TILE_WIDE
     if windowed:
         return TILE_WINDOW
-    if max_seqlen <= SHORT_SEQLEN:
+    if short:
         return TILE_SHORT
     if head_dim > 64:  # the long rows' 128-row accumulators spill at K = 128: the window rows' size
-        return (TILE_MID[0] if T < LONG_T else TILE_LONG[0],) + TILE_WINDOW[1:]
-    return TILE_MID if T < LONG_T else TILE_LONG
+        return (TILE_LONG[0] if long_t else TILE_MID[0],) + TILE_WINDOW[1:]
+    return TILE_LONG if long_t else TILE_MID
+
+
+def _shape_class(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple:
+    """`_case`'s key: plain bools, so a trace with symbolic T or max_seqlen (torch.compile's dynamic
+    shapes) guards on the two comparisons instead of hashing a SymInt."""
+    return bool(max_seqlen <= SHORT_SEQLEN), bool(T >= LONG_T), window[0] >= 0 or window[1] >= 0, head_dim
 
 
 def tiles(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple[int, int, int, int]:
     """The forward's (BLOCK_M, BLOCK_N, num_warps, num_stages) for one call."""
-    return _case(T, max_seqlen, window[0] >= 0 or window[1] >= 0, head_dim)[0]
+    return _case(*_shape_class(T, max_seqlen, window, head_dim))[0]
 
 
 def bwd_tiles(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int):
     """(dQ tile, dK/dV tile) for one call, each (owned rows, inner tile rows, num_warps, num_stages)."""
-    return _case(T, max_seqlen, window[0] >= 0 or window[1] >= 0, head_dim)[1:]
+    return _case(*_shape_class(T, max_seqlen, window, head_dim))[1:]
 
 
 # ---- launcher ------------------------------------------------------------------------------------
