@@ -43,6 +43,25 @@ def test_encode_compiles_fullgraph_on_cpu():
     torch.testing.assert_close(compiled(params, b.ids, b.cu_seqlens, b.max_seqlen), eager)
 
 
+def _varlen_batches(device="cpu"):
+    for lengths in ([3, 7, 1], [5, 2, 9, 4, 6], [12, 1, 3, 8]):  # tokens, sequences and longest all vary
+        yield pe.pack([[1 + (i * 7 + j) % 90 for j in range(L)] for i, L in enumerate(lengths)], device=device)
+
+
+def test_encode_compiles_once_for_batches_of_any_size_on_cpu():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    params = _tiny_modernbert()
+    counter = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(pe.encode, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    for b in _varlen_batches():
+        torch.testing.assert_close(f(params, b.ids, b.cu_seqlens, b.max_seqlen),
+                                   pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen))
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1], frames
+
+
 @pytest.mark.gpu
 def test_gpu_auto_picks_triton_and_logs_once(caplog):
     from packedenc import kernels
@@ -83,8 +102,7 @@ def test_gpu_encode_compiles_once_for_batches_of_any_size():
     counter = CompileCounterWithBackend("inductor")
     f = torch.compile(pe.encode, fullgraph=True, dynamic=True, backend=counter)
     frames = []
-    for n, lengths in enumerate(([3, 7, 1], [5, 2, 9, 4, 6], [12, 1, 3, 8])):
-        b = pe.pack([[1 + (i * 7 + j) % 90 for j in range(L)] for i, L in enumerate(lengths)], device="cuda")
+    for n, b in enumerate(_varlen_batches("cuda")):
         eager = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen)
         out = f(params, b.ids, b.cu_seqlens, b.max_seqlen)
         frames.append(counter.frame_count)
