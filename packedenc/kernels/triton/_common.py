@@ -157,7 +157,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     if _INTERPRET:
         kernel[grid](*args, **meta)
         return
-    if type(args[0]) is not Tensor or _dispatch_modes():
+    if type(args[0]) not in _PLAIN or _dispatch_modes():
         _traced_launch(kernel, grid, args, meta)
         return
     if kernel.pre_run_hooks or _launch_hooked():
@@ -181,6 +181,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     g2 = grid[2] if len(grid) > 2 else 1
     fn(grid[0], g1, g2, driver.get_current_stream(device), *head, *args, *tail)
 
+
+_PLAIN = (Tensor, torch.nn.Parameter)  # what a real launch gets; a trace passes fake / functional tensors
 
 # launch options inductor's user-kernel call does not take: `maxnreg` caps registers, a speed hint
 _UNTRACEABLE_OPTIONS = ("maxnreg",)
