@@ -64,7 +64,8 @@ MODERNBERT_TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=96, nu
 
 def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
     from benchmarks import baseline_modernbert
-    from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem, PackedFnSystem, hf_builder
+    from benchmarks.systems import (CompiledSystem, GraphedSystem, HFPaddedSystem, PackedencSystem, PackedFnSystem,
+                                    hf_builder)
 
     hf = hf_builder(host_params, host_params.final_norm.weight.dtype)
     pad_id = host_params.config.pad_token_id or 0
@@ -76,6 +77,7 @@ def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
         PackedencSystem("packedenc[triton,rope-unfused]", host_params, device, backend="triton",
                         unfused=("rotary_attention",), only=("query",)),
         GraphedSystem("packedenc+graphs", host_params, device, max_tokens=32768, max_seqs=256),
+        CompiledSystem("packedenc+compile", host_params, device),
         PackedFnSystem("torch-packed", host_params, device, baseline_modernbert.encode, baseline_modernbert.prepare),
         HFPaddedSystem("hf-sdpa", hf, device, pad_id=pad_id),
         HFPaddedSystem("hf-sdpa+compile", hf, device, compile=True, pad_id=pad_id),
@@ -83,13 +85,14 @@ def _modernbert_systems(host_params: Any, device: torch.device) -> list[System]:
 
 
 def _bert_systems(host_params: Any, device: torch.device) -> list[System]:
-    from benchmarks.systems import GraphedSystem, HFPaddedSystem, PackedencSystem, hf_builder
+    from benchmarks.systems import CompiledSystem, GraphedSystem, HFPaddedSystem, PackedencSystem, hf_builder
 
     hf = hf_builder(host_params, host_params.embeddings.layer_norm.weight.dtype)
     pad_id = host_params.config.pad_token_id or 0
     return [
         PackedencSystem("packedenc", host_params, device),
         GraphedSystem("packedenc+graphs", host_params, device, max_tokens=32768, max_seqs=256),
+        CompiledSystem("packedenc+compile", host_params, device),
         HFPaddedSystem("hf-sdpa", hf, device, pad_id=pad_id),
         HFPaddedSystem("hf-sdpa+compile", hf, device, compile=True, pad_id=pad_id),
     ]

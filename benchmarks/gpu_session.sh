@@ -2,6 +2,7 @@
 # One stage of an H200 session, each sized to fit one device call (< 10 minutes):
 #
 #   bash benchmarks/gpu_session.sh compile      # the GPU tests of torch.compile (inductor compiling our kernels)
+#   bash benchmarks/gpu_session.sh compile-bench  # ModernBERT query / doc: packedenc+compile vs eager, graphed, torch
 #   bash benchmarks/gpu_session.sh tests        # the `gpu`-marked test suite (with the stack: over 10 minutes,
 #                                               #   so a queue runs it as tests-kernels, then tests-rest)
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
@@ -64,7 +65,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -80,7 +81,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|compile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -147,6 +148,9 @@ case "$stage" in
     ab-query)  # an A/B on the host-bound query batches: every system twice, the order reversed
         bench 190 modernbert --workloads query --reps 15 --passes 2 \
             --systems packedenc 'packedenc[triton]' 'packedenc[triton,rope-unfused]' torch-packed ;;
+    compile-bench)  # torch.compile of encode (inductor with our kernels) next to eager, graphed and plain torch
+        bench 290 modernbert --workloads query doc --reps 10 \
+            --systems packedenc packedenc+compile packedenc+graphs torch-packed ;;
     attention-short)  # the sweep on the short-sequence workloads alone
         timeout 200 python3 -m benchmarks attention --sweep --only query-64k,query-64k-window --out "$out" 2>&1 \
             | tee "$out/attention-short.log" | tail -40 ;;

@@ -1,4 +1,4 @@
-"""Inference contenders any encoder family can reuse: packedenc (eager and CUDA-graphed), a packed
+"""Inference contenders any encoder family can reuse: packedenc (eager, compiled and CUDA-graphed), a packed
 plain-torch function, and a Hugging Face model with dynamic padding (optionally under torch.compile).
 
 Each system builds its weights on the device in `setup` from one host copy shared by every
@@ -78,6 +78,31 @@ class PackedencSystem(System):
 
     def close(self) -> None:
         self.params = None
+
+
+class CompiledSystem(PackedencSystem):
+    """`packedenc.encode` under `torch.compile(dynamic=True, fullgraph=True)`: inductor compiles our
+    Triton kernels (they are `triton_op`s) together with the code around them; one graph for every
+    batch shape, compiled in the warm-up. Optional (`--systems packedenc+compile`): the compile of a
+    full-size model takes a while."""
+
+    optional = True
+
+    def setup(self) -> None:
+        super().setup()
+        self.fn = torch.compile(pe.encode, dynamic=True, fullgraph=True)
+
+    def run(self, inputs: tuple[Tensor, Tensor, int]) -> Tensor:
+        ids, cu, max_seqlen = inputs
+        return self.fn(self.params, ids, cu, max_seqlen, backend=self.backend)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "compile": "dynamic=True, fullgraph=True"}
+
+    def close(self) -> None:
+        super().close()
+        self.fn = None
+        torch._dynamo.reset()  # free compiled graphs and their cached workspaces
 
 
 class GraphedSystem(PackedencSystem):
