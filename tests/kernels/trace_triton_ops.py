@@ -118,23 +118,19 @@ def _launchers():
     """op name -> the CUDA branch of its triton_op (the launcher a trace runs)."""
     from packedenc.kernels.triton import activation, attention_op, cross_entropy, glu, graph_readout, layer_norm, rotary
 
-    mods = (layer_norm, activation, glu, rotary, attention_op, graph_readout, cross_entropy)
-    found = {}
-    for mod in mods:
-        for attr in dir(mod):
-            obj = getattr(mod, attr)
-            if attr.endswith("_cuda") and callable(obj):
-                found[attr] = obj
-    by_op = {"layer_norm": "_layer_norm_cuda", "add_layer_norm": "_add_layer_norm_cuda",
-             "embed_layer_norm": "_embed_layer_norm_cuda", "layer_norm_bwd": "_layer_norm_bwd_cuda",
-             "activation": "_activation_cuda", "activation_bwd": "_activation_bwd_cuda",
-             "bias_activation": "_bias_activation_cuda", "bias_activation_bwd": "_bias_activation_bwd_cuda",
-             "glu": "_glu_cuda", "glu_bwd": "_glu_bwd_cuda", "rotary": "_rotary_cuda", "rotary_bwd": "_rotary_bwd_cuda",
-             "rotary_qkv": "_rotary_qkv_cuda", "rotary_qkv_bwd": "_rotary_qkv_bwd_cuda",
-             "triton_varlen_attention": "_fwd_cuda", "triton_varlen_attention_bwd": "_bwd_cuda",
-             "graph_readout": "_readout_cuda", "graph_readout_bwd": "_readout_bwd_cuda",
-             "linear_cross_entropy": "_linear_ce_cuda"}
-    return {op: found[fn] for op, fn in by_op.items()}
+    return {
+        "layer_norm": layer_norm._layer_norm_cuda, "add_layer_norm": layer_norm._add_layer_norm_cuda,
+        "embed_layer_norm": layer_norm._embed_layer_norm_cuda, "layer_norm_bwd": layer_norm._layer_norm_bwd_cuda,
+        "activation": activation._activation_cuda, "activation_bwd": activation._activation_bwd_cuda,
+        "bias_activation": activation._bias_activation_cuda,
+        "bias_activation_bwd": activation._bias_activation_bwd_cuda,
+        "glu": glu._glu_cuda, "glu_bwd": glu._glu_bwd_cuda,
+        "rotary": rotary._rotary_cuda, "rotary_bwd": rotary._rotary_bwd_cuda,
+        "rotary_qkv": rotary._rotary_qkv_cuda, "rotary_qkv_bwd": rotary._rotary_qkv_bwd_cuda,
+        "triton_varlen_attention": attention_op._fwd_cuda, "triton_varlen_attention_bwd": attention_op._bwd_cuda,
+        "graph_readout": graph_readout._readout_cuda, "graph_readout_bwd": graph_readout._readout_bwd_cuda,
+        "linear_cross_entropy": cross_entropy._linear_ce_cuda,
+    }
 
 
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
