@@ -18,7 +18,9 @@ window (`-window`). Lengths are seeded log-normal draws, as benchmarks/common.py
    systems `packedenc` (the op table's
    "triton" varlen_attention) and `torch-flash` (torch's varlen attention through kernels/flash.py);
    FlashAttention-4 (the "cute" backend) is timed by `python -m benchmarks cute`.
-3. `--sweep`: the forward, the dQ and the dK/dV kernels alone with candidate tiles (the other
+3. `--profile`: torch.profiler's table of 5 forward + backward calls per system, by self CPU time
+   (where `fwd_bwd_host_ms` goes).
+4. `--sweep`: the forward, the dQ and the dK/dV kernels alone with candidate tiles (the other
    backward pass at its default), to place the rows of `attention.TILE_*`; the 32-row tiles (and
    16-row inner tiles) ask whether short sequences gain from more, smaller programs. A one-pass
    backward (both blocks per program) is not swept: it lost to the two-launch split on every
@@ -175,6 +177,24 @@ def time_system(fn: Callable, lens: list[int], window: tuple[int, int]) -> dict[
     return out
 
 
+def profile_host(fn: Callable, lens: list[int], window: tuple[int, int], rows: int = 15) -> str:
+    """torch.profiler's table of 5 forward + backward calls (after warm-up), by self CPU time: where
+    the host time of `fwd_bwd` goes (the autograd engine, allocations, our launchers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    T, cu, L = sum(lens), _cu(lens), max(lens)
+    q, k, v, do = (torch.randn(T, H, K, device="cuda").to(BF16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    for _ in range(3):
+        torch.autograd.grad(fn(*leaves, cu, L, window), leaves, do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            torch.autograd.grad(fn(*leaves, cu, L, window), leaves, do)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def sweep(lens: list[int], window: tuple[int, int]) -> list[dict[str, Any]]:
     """Each pass alone over candidate tiles: forward (no LSE), backward with one kernel's tile varied."""
     from packedenc.kernels.triton import attention as A
@@ -243,6 +263,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles of each pass")
     ap.add_argument("--only", default="", help="comma-separated workloads (default: all six)")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print torch.profiler's table of 5 forward + backward calls per system (host time)")
     a = ap.parse_args(argv)
     import triton
 
@@ -270,6 +292,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 traceback.print_exc()
             records.append(rec)
             print(table([rec]).splitlines()[1], flush=True)
+            if a.profile:
+                try:
+                    print(f"\n## profile: {name} {wl}, 5 x forward + backward\n{profile_host(fn, lens, window)}",
+                          flush=True)
+                except Exception:  # noqa: BLE001 - a profile is a diagnostic, not the run
+                    traceback.print_exc()
         if a.sweep:
             try:
                 for row in sweep(lens, window):

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
 #   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep
 #   bash benchmarks/gpu_session.sh attention-short  # the same, query-64k and query-64k-window only (the short-sequence tiles)
+#   bash benchmarks/gpu_session.sh attention-profile  # torch.profiler of one attention forward + backward (its host time)
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
@@ -65,7 +66,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -81,7 +82,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|attention-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -105,7 +106,7 @@ if [ -f .gpu-stack/b/stack-b.tar.xz ] && [ -d "$stack/nvidia_cutlass_dsl" ]; the
     tar -xJf .gpu-stack/b/stack-b.tar.xz -C "$stack"
 fi
 # The README's tables measure the default install: those stages never see the stack (the cute family does).
-case "$stage" in readme-*|small|attention|attention-sweep|attention-short) base_install=1 ;; *) base_install=0 ;; esac
+case "$stage" in readme-*|small|attention|attention-sweep|attention-short|attention-profile) base_install=1 ;; *) base_install=0 ;; esac
 if [ -d "$stack/flash_attn" ] && [ "$base_install" = 0 ]; then  # both halves unpacked (see the header)
     export PYTHONPATH="$PYTHONPATH:$stack/nvidia_cutlass_dsl/dsl_packages:$stack"
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
@@ -151,6 +152,9 @@ case "$stage" in
     compile-bench)  # torch.compile of encode (inductor with our kernels) next to eager, graphed and plain torch
         bench 290 modernbert --workloads query doc --reps 10 \
             --systems packedenc packedenc+compile packedenc+graphs torch-packed ;;
+    attention-profile)  # where the host time of one attention forward + backward goes (torch.profiler)
+        timeout 200 python3 -m benchmarks attention --only query-64k,doc-64k-window --no-check --profile \
+            --out "$out/profile" 2>&1 | tee "$out/attention-profile.log" | tail -100 ;;
     attention-short)  # the sweep on the short-sequence workloads alone
         timeout 200 python3 -m benchmarks attention --sweep --only query-64k,query-64k-window --out "$out" 2>&1 \
             | tee "$out/attention-short.log" | tail -40 ;;
