@@ -5,9 +5,10 @@ One file per fused op: `layer_norm.py` (layer_norm, add_layer_norm, embed_layer_
 `graph_readout.py`, `deberta/` (DeBERTa's disentangled attention, a sub-package: slots, scores,
 tiles, forward, backward, op), `attention.py` (packed varlen attention: forward kernel and tiles;
 `attention_bwd.py` the backward, `attention_op.py` the registered op and the varlen_attention /
-graph_attention entries). Each op is a `torch.library` custom op `packedenc::<op>` (CPU: the reference; CUDA: the Triton kernel; fake and autograd
-registered), and the functions registered here have the reference signatures, so the table calls
-either interchangeably. `linear_glu.py` is the one composite entry: cuBLAS's GEMM, then glu's op.
+graph_attention entries). Each op is a `torch.library.triton_op` `packedenc::<op>` (CPU: the
+reference; CUDA: the Triton kernel, which a trace records through `wrap_triton`; the DeBERTa
+attention is a plain custom op, `deberta/op.py` says why), with autograd registered, and the
+functions registered here have the reference signatures, so the table calls either interchangeably. `linear_glu.py` is the one composite entry: cuBLAS's GEMM, then glu's op.
 """
 
 from packedenc.kernels import register_impl

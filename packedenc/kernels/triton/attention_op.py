@@ -2,7 +2,7 @@
 
 Shapes: T packed tokens, S sequences, H heads, K head dim.
 
-One custom op, `packedenc::triton_varlen_attention`, for two input layouts: separate q, k, v
+One `triton_op`, `packedenc::triton_varlen_attention`, for two input layouts: separate q, k, v
 (T, H, K) views (ModernBERT, BERT), or, with k = v = None, one fused (T, 3, H, K) qkv buffer (the
 graph transformer), whose gradient then comes back as one (T, 3, H, K) tensor, so the projection
 GEMM's backward reads it without a stack. Either way the kernels read the views in place (any row
