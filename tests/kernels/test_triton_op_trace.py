@@ -55,9 +55,11 @@ def test_ops_trace_into_their_kernels_on_fake_cuda():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     traced = result["trace"]
     _check(traced, CPU_TRACED)
-    # the rest stop on the CPU-only build's limits, not in our code: the GPU test traces them
+    # the rest stop on the CPU-only build's limit (views of fake CUDA tensors), not in our code:
+    # the GPU test traces them, and (b) / (c) below cover their launches here (a torch build that
+    # traces one here fails this line: move that op to CPU_TRACED)
     for name in set(KERNEL) - CPU_TRACED:
-        assert "error" in traced[name] or KERNEL[name] in traced[name]["kernels"], (name, traced[name])
+        assert "not linked with support for cuda" in traced[name].get("error", ""), (name, traced[name])
     # every launch compiles for sm_90 with the argument types inductor gives it (fp64 floats, ints
     # of 1 as constexprs), with no fp64 math, so the compiled graph computes what the eager launch does
     compiled = result["inductor_ttir"]
