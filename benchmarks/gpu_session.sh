@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
 #   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep
 #   bash benchmarks/gpu_session.sh attention-short  # the same, query-64k and query-64k-window only (the short-sequence tiles)
+#   bash benchmarks/gpu_session.sh host-profile  # cProfile of the eager calls issue 19 finds host-bound
 #   bash benchmarks/gpu_session.sh attention-profile  # torch.profiler of one attention forward + backward (its host time)
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
@@ -66,7 +67,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [host-profile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -82,7 +83,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|attention-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|attention-profile|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -155,6 +156,8 @@ case "$stage" in
     attention-profile)  # where the host time of one attention forward + backward goes (torch.profiler)
         timeout 200 python3 -m benchmarks attention --only query-64k,doc-64k-window --no-check --profile \
             --out "$out/profile" 2>&1 | tee "$out/attention-profile.log" | tail -100 ;;
+    host-profile)  # cProfile of the host-bound eager calls: DeBERTa mnli, ModernBERT query, a training step on doc-b8
+        timeout 200 python3 -m benchmarks.host_profile --out "$out/host_profile.txt" 2>&1 | tee "$out/host-profile.log" | tail -5 ;;
     attention-short)  # the sweep on the short-sequence workloads alone
         timeout 200 python3 -m benchmarks attention --sweep --only query-64k,query-64k-window --out "$out" 2>&1 \
             | tee "$out/attention-short.log" | tail -40 ;;

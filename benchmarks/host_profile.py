@@ -1,0 +1,138 @@
+"""Where the host time of one eager call goes, function by function (cProfile), for the calls issue
+19 measures host-bound: DeBERTa-v3-base inference on `mnli` batches, ModernBERT-base inference on
+`query` batches and a ModernBERT-base MLM training step on `doc-b8` batches (packedenc's eager
+step and the plain-torch one, `torch-packed`, side by side).
+
+    python3 -m benchmarks.host_profile --out gpu_out/host_profile.txt        # H200: ~1 min
+    python3 -m benchmarks.host_profile --tiny --device cpu                   # a CPU smoke run
+
+For each case: the wall ms of one call in a loop (`loop_ms`: `calls` back-to-back calls of the
+workload's batches, one sync at the end, so a host-bound loop reads its host time), then cProfile
+over the same loop: the functions with the most own time (`tottime`) and the most time below them
+(`cumtime`), both in microseconds per call of the case. Under cProfile the backward runs on the
+calling thread (`set_multithreading_enabled(False)`), so its Python shows too. The systems and batches are the benchmark
+families' own (`benchmarks.encode`, `benchmarks.train`), with random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks import common
+
+
+def _loop(run: Callable[[Any], Any], inputs: list[Any], calls: int, device: torch.device) -> float:
+    common.sync(device)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        run(inputs[i % len(inputs)])
+    common.sync(device)
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _table(prof: cProfile.Profile, calls: int, key: str, top: int) -> str:
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        where = fn if file == "~" else f"{Path(file).parent.name}/{Path(file).name}:{line}({fn})"
+        rows.append((tt if key == "tottime" else ct, nc, where))
+    rows.sort(reverse=True)
+    lines = [f"  {'us/call':>9}  {'n/call':>7}  function ({key})"]
+    lines += [f"  {v / calls * 1e6:9.1f}  {n / calls:7.1f}  {w}" for v, n, w in rows[:top]]
+    return "\n".join(lines)
+
+
+def profile_case(name: str, system: Any, batches: list[Any], calls: int, device: torch.device, top: int) -> str:
+    system.setup()
+    inputs = [system.prepare(b) for b in batches]
+    grad = getattr(system, "grad", False)
+    ctx = torch.enable_grad if grad else torch.inference_mode
+    with ctx():
+        for x in inputs:  # warm-up: compile, caches, allocator
+            system.run(x)
+            system.run(x)
+        loop_ms = _loop(system.run, inputs, calls, device)
+        prof = cProfile.Profile()
+        common.sync(device)
+        # the backward of CUDA tensors runs on autograd's device thread, which cProfile does not
+        # see: run it on this one
+        with torch.autograd.set_multithreading_enabled(False):
+            prof.enable()
+            prof_ms = _loop(system.run, inputs, calls, device)
+            prof.disable()
+    system.close()
+    head = f"== {name}: loop {loop_ms:.3f} ms a call ({calls} calls), under cProfile {prof_ms:.3f} ms"
+    return "\n".join([head, _table(prof, calls, "tottime", top), _table(prof, calls, "cumtime", top), ""])
+
+
+def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tuple[str, Any, list[Any]]]:
+    from benchmarks import encode, train
+
+    out = []
+    want = lambda n: not only or n in only  # noqa: E731
+    if want("deberta-mnli") or want("modernbert-query"):
+        benches = encode._benches()
+        args = argparse.Namespace(tiny=tiny, seed=0)
+        for case, family, workload in (("deberta-mnli", "deberta", "mnli"), ("modernbert-query", "modernbert", "query")):
+            if not want(case):
+                continue
+            bench = benches[family]
+            params = bench.make_params(tiny, torch.float32 if tiny else bench.dtype)
+            w = encode._workloads(bench, [workload], params.config.vocab_size, args)[0]
+            system = next(s for s in bench.make_systems(params, device) if s.name == "packedenc")
+            out.append((case, system, [w.batch(i) for i in range(min(8, len(w.batches)))]))
+    if want("modernbert-train-doc-b8") or want("torch-packed-train-doc-b8"):
+        bench = train.benches()["modernbert-base"]
+        host = bench.make_params(tiny)
+        args = argparse.Namespace(tiny=tiny, seed=0)
+        w = train.workloads(bench, ["doc-b8"], host.config.vocab_size, args)[0]
+        batches = [w.batch(i) for i in range(min(8, len(w.batches)))]
+        dt = None if tiny else torch.bfloat16
+        for case, name in (("modernbert-train-doc-b8", "packedenc"), ("torch-packed-train-doc-b8", "torch-packed")):
+            if want(case):
+                system = next(s for s in bench.make_systems(host, device, dt) if s.name == name)
+                out.append((case, system, batches))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny models and batches (a CPU smoke run)")
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--only", nargs="*", help="case names (default: all)")
+    ap.add_argument("--out", help="also write the report to this file")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    parts = [f"host_profile: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+             f"torch {torch.__version__}, commit {common_commit()}"]
+    print(parts[0], flush=True)
+    for name, system, batches in cases(args.tiny, device, args.only):
+        text = profile_case(name, system, batches, args.calls, device, args.top)
+        print(text, flush=True)
+        parts.append(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(parts) + "\n")
+    return 0
+
+
+def common_commit() -> str:
+    from benchmarks.records import git_commit
+
+    return git_commit()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
