@@ -208,13 +208,15 @@ def inductor_ttir() -> dict[str, list]:
     return out
 
 
-def symbolic() -> dict[str, str | None]:
+def symbolic(every_dim: bool = True) -> dict[str, str | None]:
     """op name -> None, or the error its CUDA branch raises when the token counts are symbolic.
 
     Varlen batches change T and S from call to call, so torch.compile (automatic dynamic shapes)
-    traces the launchers with SymInts for them: tile choices must guard on comparisons, grids be
-    expressions, nothing hash a SymInt. The launchers run on CPU fake tensors whose token and
-    sequence dims are symbolic, their launches recorded."""
+    traces the launchers with SymInts for them; `dynamic=True` makes every dim of every input
+    symbolic, the weights' widths too. Tile choices must guard on comparisons (or specialise by
+    int()), grids be expressions, nothing hash a SymInt. The launchers run on CPU fake tensors
+    whose dims are all symbolic (`every_dim`) or only the token and sequence dims, their launches
+    recorded."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     from packedenc.kernels.triton import _common
@@ -223,7 +225,7 @@ def symbolic() -> dict[str, str | None]:
     T, S = 24, 3  # cases(): T tokens, S sequences
 
     def fake(t):
-        dims = [DimDynamic.DYNAMIC if n in (T, S, S + 1) else DimDynamic.STATIC for n in t.shape]
+        dims = [DimDynamic.DYNAMIC if every_dim or n in (T, S, S + 1) else DimDynamic.STATIC for n in t.shape]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
     launchers, out = _launchers(), {}

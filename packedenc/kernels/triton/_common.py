@@ -48,13 +48,19 @@ def rows(x: Tensor) -> Tensor:
     return x2
 
 
-@functools.lru_cache(maxsize=None)  # host time: called on every launch
 def row_tile(width: int, target: int = 4096) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps) for a row-wise kernel over rows of `width` elements.
 
     The whole row sits in registers (BLOCK_D = next power of two); short rows are stacked so
-    that one program handles about `target` elements, enough to hide memory latency.
+    that one program handles about `target` elements, enough to hide memory latency. A symbolic
+    width (torch.compile with dynamic=True makes the weights' dims SymInts too) is specialised by
+    int(): the tile is a constexpr, and a model's width does not change between batches.
     """
+    return _row_tile(int(width), target)
+
+
+@functools.lru_cache(maxsize=None)  # host time: called on every launch
+def _row_tile(width: int, target: int) -> tuple[int, int, int]:
     block_d = next_pow2(width)
     block_t = max(1, min(64, target // block_d))
     elems = block_t * block_d

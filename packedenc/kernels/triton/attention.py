@@ -251,8 +251,9 @@ def _case(short: bool, long_t: bool, windowed: bool, head_dim: int):
 
 def _shape_class(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple:
     """`_case`'s key: plain bools, so a trace with symbolic T or max_seqlen (torch.compile's dynamic
-    shapes) guards on the two comparisons instead of hashing a SymInt."""
-    return bool(max_seqlen <= SHORT_SEQLEN), bool(T >= LONG_T), window[0] >= 0 or window[1] >= 0, head_dim
+    shapes) guards on the two comparisons instead of hashing a SymInt; the head dim (symbolic under
+    dynamic=True) is specialised, as it must be for the kernels' constexprs."""
+    return bool(max_seqlen <= SHORT_SEQLEN), bool(T >= LONG_T), window[0] >= 0 or window[1] >= 0, int(head_dim)
 
 
 def tiles(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple[int, int, int, int]:
@@ -294,6 +295,7 @@ def launch_args(q: Tensor, cu_seqlens: Tensor, window: tuple[int, int], scale: f
     """(S, n_steps, left, right, qk_scale, constexprs) shared by the three kernels' launches.
     The constexpr dict is shared between calls: read it, never change it."""
     T, _, Kd = q.shape
+    Kd = int(Kd)  # a constexpr: a symbolic head dim (dynamic=True) is specialised
     S = cu_seqlens.shape[0] - 1
     left, right = int(window[0]), int(window[1])
     meta = _meta(Kd, left >= 0, right >= 0, q.dtype == torch.float32)

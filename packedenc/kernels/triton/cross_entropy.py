@@ -106,7 +106,8 @@ def _padded(V: int) -> int:
 
 def _padded_head(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """W and b with zero rows appended up to `_padded(V)` rows (themselves when already aligned)."""
-    pad = _padded(weight.shape[0]) - weight.shape[0]
+    V = int(weight.shape[0])  # a symbolic vocab (dynamic=True) is specialised: F.pad takes ints
+    pad = _padded(V) - V
     if not pad:
         return weight, bias
     return F.pad(weight, (0, 0, 0, pad)), (F.pad(bias, (0, pad)) if bias is not None else None)

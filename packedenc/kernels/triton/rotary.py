@@ -121,6 +121,7 @@ def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, t
     T, H, K = xq.shape
     if T == 0:
         return
+    H, K = int(H), int(K)  # constexprs and a cache key: a symbolic width is specialised
     BLOCK_T, BLOCK_H, BLOCK_J, num_warps = _tile(H, K)
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
     v_mode = 0 if ov is None else 1 if xv is not None else 2
