@@ -1,7 +1,7 @@
 """Where the host time of one eager call goes, function by function (cProfile), for the calls issue
 19 measures host-bound: DeBERTa-v3-base inference on `mnli` batches, ModernBERT-base inference on
-`query` batches and a ModernBERT-base MLM training step on `doc-b8` batches (packedenc's eager
-step and the plain-torch one, `torch-packed`, side by side).
+`query` batches and a ModernBERT-base MLM training step on `doc-b8` and `doc` batches (packedenc's
+eager step and the plain-torch one, `torch-packed`, side by side).
 
     python3 -m benchmarks.host_profile --out gpu_out/host_profile.txt        # H200: ~1 min
     python3 -m benchmarks.host_profile --tiny --device cpu                   # a CPU smoke run
@@ -10,7 +10,10 @@ For each case: the wall ms of one call in a loop (`loop_ms`: `calls` back-to-bac
 workload's batches, one sync at the end, so a host-bound loop reads its host time), then cProfile
 over the same loop: the functions with the most own time (`tottime`) and the most time below them
 (`cumtime`), both in microseconds per call of the case. Under cProfile the backward runs on the
-calling thread (`set_multithreading_enabled(False)`), so its Python shows too. The systems and batches are the benchmark
+calling thread (`set_multithreading_enabled(False)`), so its Python shows too. Each case also
+reports the cyclic garbage collector's passes in the loop, the caching allocator's device allocations, frees and retries over the loop (each cudaFree
+waits for the GPU) and the calls that made the host wait for the GPU in one call (torch's sync
+debug mode), with the frames of ours that led there. The systems and batches are the benchmark
 families' own (`benchmarks.encode`, `benchmarks.train`), with random weights.
 """
 
@@ -18,16 +21,40 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from benchmarks import common
+
+
+class _GcTimer:
+    """Collections by the cyclic garbage collector while active, and the ms they took."""
+
+    def __init__(self) -> None:
+        self.count, self.ms, self._t0 = [0, 0, 0], 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def __enter__(self) -> "_GcTimer":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self)
 
 
 def _loop(run: Callable[[Any], Any], inputs: list[Any], calls: int, device: torch.device) -> float:
@@ -52,6 +79,37 @@ def _table(prof: cProfile.Profile, calls: int, key: str, top: int) -> str:
     return "\n".join(lines)
 
 
+_ALLOC_STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def _syncs(run: Callable[[Any], Any], x: Any, device: torch.device) -> list[str]:
+    """Where one call makes the host wait for the GPU: torch's sync debug mode, each warning with
+    the innermost frames of ours (packedenc, benchmarks) that led to it."""
+    if device.type != "cuda":
+        return []
+    found: list[str] = []
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        ours = [f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in traceback.extract_stack()
+                if "packedenc" in f.filename or "benchmarks" in f.filename][-4:]
+        found.append(f"{str(message).splitlines()[0][:90]} <- {' < '.join(reversed(ours))}")
+
+    saved = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run(x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = saved
+    return found
+
+
 def profile_case(name: str, system: Any, batches: list[Any], calls: int, device: torch.device, top: int) -> str:
     system.setup()
     inputs = [system.prepare(b) for b in batches]
@@ -61,7 +119,11 @@ def profile_case(name: str, system: Any, batches: list[Any], calls: int, device:
         for x in inputs:  # warm-up: compile, caches, allocator
             system.run(x)
             system.run(x)
-        loop_ms = _loop(system.run, inputs, calls, device)
+        stats0 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+        with _GcTimer() as gct:
+            loop_ms = _loop(system.run, inputs, calls, device)
+        stats1 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+        syncs = _syncs(system.run, inputs[0], device)
         prof = cProfile.Profile()
         common.sync(device)
         # the backward of CUDA tensors runs on autograd's device thread, which cProfile does not
@@ -72,7 +134,10 @@ def profile_case(name: str, system: Any, batches: list[Any], calls: int, device:
             prof.disable()
     system.close()
     head = f"== {name}: loop {loop_ms:.3f} ms a call ({calls} calls), under cProfile {prof_ms:.3f} ms"
-    return "\n".join([head, _table(prof, calls, "tottime", top), _table(prof, calls, "cumtime", top), ""])
+    alloc = "  allocator over the loop: " + ", ".join(f"{k} +{stats1.get(k, 0) - stats0.get(k, 0)}" for k in _ALLOC_STATS)
+    alloc += f"; gc collections by generation {gct.count}, {gct.ms / calls:.3f} ms a call"
+    sync = f"  host syncs in one call: {len(syncs)}" + "".join(f"\n    {w}" for w in syncs[:12])
+    return "\n".join([head, alloc, sync, _table(prof, calls, "tottime", top), _table(prof, calls, "cumtime", top), ""])
 
 
 def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tuple[str, Any, list[Any]]]:
@@ -91,15 +156,17 @@ def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tupl
             w = encode._workloads(bench, [workload], params.config.vocab_size, args)[0]
             system = next(s for s in bench.make_systems(params, device) if s.name == "packedenc")
             out.append((case, system, [w.batch(i) for i in range(min(8, len(w.batches)))]))
-    if want("modernbert-train-doc-b8") or want("torch-packed-train-doc-b8"):
+    train_cases = [(f"{who}-train-{wl}", name, wl) for wl in ("doc-b8", "doc")
+                   for who, name in (("modernbert", "packedenc"), ("torch-packed", "torch-packed"))]
+    if any(want(c) for c, _, _ in train_cases):
         bench = train.benches()["modernbert-base"]
         host = bench.make_params(tiny)
         args = argparse.Namespace(tiny=tiny, seed=0)
-        w = train.workloads(bench, ["doc-b8"], host.config.vocab_size, args)[0]
-        batches = [w.batch(i) for i in range(min(8, len(w.batches)))]
         dt = None if tiny else torch.bfloat16
-        for case, name in (("modernbert-train-doc-b8", "packedenc"), ("torch-packed-train-doc-b8", "torch-packed")):
+        for case, name, wl in train_cases:
             if want(case):
+                w = train.workloads(bench, [wl], host.config.vocab_size, args)[0]
+                batches = [w.batch(i) for i in range(min(8, len(w.batches)))]
                 system = next(s for s in bench.make_systems(host, device, dt) if s.name == name)
                 out.append((case, system, batches))
     return out
