@@ -69,6 +69,8 @@ def test_ops_trace_into_their_kernels_on_fake_cuda():
         assert all(err is None for _, _, err in launches), (name, [x for x in launches if x[2]])
     # and every launcher takes symbolic token / sequence counts (torch.compile's dynamic shapes)
     assert result["symbolic"] == dict.fromkeys(KERNEL), {k: v for k, v in result["symbolic"].items() if v}
+    # ... and, as dynamic=True gives them, a symbolic head dim, window, longest sequence and scale
+    assert result["symbolic_scalars"] is None, result["symbolic_scalars"]
 
 
 @pytest.mark.gpu

@@ -244,6 +244,55 @@ def symbolic(every_dim: bool = True) -> dict[str, str | None]:
     return out
 
 
+def symbolic_scalars() -> str | None:
+    """None, or the error of the attention launchers given what `dynamic=True` hands them: the
+    head dim, the window and the longest sequence as SymInts and the scale as a SymFloat (the
+    default K ** -0.5 of a symbolic K). Tile choices must reach the caches as plain bools and ints, and
+    the kernels' float arguments as host floats."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from packedenc.kernels.triton import _common
+    from packedenc.kernels.triton.attention import attention_fwd
+    from packedenc.kernels.triton.attention_bwd import attention_bwd
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t):
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim()))
+
+    env = mode.shape_env
+
+    def sym(value, name):  # an unspecialised scalar input, as dynamo makes it
+        from torch._dynamo.source import ConstantSource
+
+        node = env.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symfloatnode(node, hint=value) if isinstance(value, float) else env.create_symintnode(node, hint=value)
+
+    launched = []
+
+    def record(kernel, grid, args, meta):
+        bad = [type(a).__name__ for a in (*args, *meta.values()) if isinstance(a, (torch.SymFloat, torch.SymBool))]
+        launched.append(bad)
+
+    saved = _common._traced_launch
+    _common._traced_launch = record
+    try:
+        with mode:
+            q, cu = fake(torch.randn(24, 2, 16)), fake(torch.tensor([0, 10, 24], dtype=torch.int32))
+            window = (sym(6, "left"), sym(6, "right"))
+            max_seqlen, scale = sym(14, "max_seqlen"), sym(0.25, "scale")
+            o, lse = attention_fwd(q, q, q, cu, max_seqlen, window, scale, lse=True)
+            attention_bwd(o, q, q, q, o, lse, cu, max_seqlen, window, scale)
+    except Exception as e:  # noqa: BLE001  (reported, the test names it)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    finally:
+        _common._traced_launch = saved
+    if len(launched) != 3 or any(launched):
+        return f"launches with symbolic floats / bools: {launched}"
+    return None
+
+
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
-    print(json.dumps({"trace": trace(), "inductor_ttir": inductor_ttir(), "symbolic": symbolic()}))
+    print(json.dumps({"trace": trace(), "inductor_ttir": inductor_ttir(), "symbolic": symbolic(),
+                      "symbolic_scalars": symbolic_scalars()}))

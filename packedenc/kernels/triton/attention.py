@@ -253,7 +253,7 @@ def _shape_class(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int
     """`_case`'s key: plain bools, so a trace with symbolic T or max_seqlen (torch.compile's dynamic
     shapes) guards on the two comparisons instead of hashing a SymInt; the head dim (symbolic under
     dynamic=True) is specialised, as it must be for the kernels' constexprs."""
-    return bool(max_seqlen <= SHORT_SEQLEN), bool(T >= LONG_T), window[0] >= 0 or window[1] >= 0, int(head_dim)
+    return bool(max_seqlen <= SHORT_SEQLEN), bool(T >= LONG_T), bool(window[0] >= 0 or window[1] >= 0), int(head_dim)
 
 
 def tiles(T: int, max_seqlen: int, window: tuple[int, int], head_dim: int) -> tuple[int, int, int, int]:
@@ -300,7 +300,9 @@ def launch_args(q: Tensor, cu_seqlens: Tensor, window: tuple[int, int], scale: f
     left, right = int(window[0]), int(window[1])
     meta = _meta(Kd, left >= 0, right >= 0, q.dtype == torch.float32)
     # windows are clamped to T: no int32 overflow in row +- window
-    return S, max(1, (S - 1).bit_length()), min(max(left, 0), T), min(max(right, 0), T), scale * LOG2E, meta
+    # float(): a symbolic scale (torch.compile with dynamic=True derives it from a symbolic head
+    # dim) is specialised here, like the head dim, rather than handed to the traced launch
+    return S, max(1, (S - 1).bit_length()), min(max(left, 0), T), min(max(right, 0), T), float(scale) * LOG2E, meta
 
 
 def attention_fwd(
