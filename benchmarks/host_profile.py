@@ -13,7 +13,8 @@ over the same loop: the functions with the most own time (`tottime`) and the mos
 calling thread (`set_multithreading_enabled(False)`), so its Python shows too. Each case also
 reports the cyclic garbage collector's passes in the loop, the caching allocator's device allocations, frees and retries over the loop (each cudaFree
 waits for the GPU) and the calls that made the host wait for the GPU in one call (torch's sync
-debug mode), with the frames of ours that led there. The systems and batches are the benchmark
+debug mode), with the frames of ours that led there, and on a GPU torch.profiler's table of the
+kernels of one pass over the batches (where the device time goes). The systems and batches are the benchmark
 families' own (`benchmarks.encode`, `benchmarks.train`), with random weights.
 """
 
@@ -110,6 +111,20 @@ def _syncs(run: Callable[[Any], Any], x: Any, device: torch.device) -> list[str]
     return found
 
 
+def _kernel_table(run: Callable[[Any], Any], inputs: list[Any], device: torch.device, top: int) -> str:
+    """torch.profiler's table of the GPU work of one pass over the inputs, by self CUDA time: which
+    kernels a call's device time goes to (the fixed cost of a training step, for one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    common.sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for x in inputs:
+            run(x)
+        common.sync(device)
+    table = p.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60)
+    return f"  GPU work of {len(inputs)} calls, by self CUDA time:\n{table}"
+
+
 def profile_case(name: str, system: Any, batches: list[Any], calls: int, device: torch.device, top: int) -> str:
     system.setup()
     inputs = [system.prepare(b) for b in batches]
@@ -124,6 +139,7 @@ def profile_case(name: str, system: Any, batches: list[Any], calls: int, device:
             loop_ms = _loop(system.run, inputs, calls, device)
         stats1 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
         syncs = _syncs(system.run, inputs[0], device)
+        kernels = _kernel_table(system.run, inputs, device, top) if device.type == "cuda" else ""
         prof = cProfile.Profile()
         common.sync(device)
         # the backward of CUDA tensors runs on autograd's device thread, which cProfile does not
@@ -137,7 +153,8 @@ def profile_case(name: str, system: Any, batches: list[Any], calls: int, device:
     alloc = "  allocator over the loop: " + ", ".join(f"{k} +{stats1.get(k, 0) - stats0.get(k, 0)}" for k in _ALLOC_STATS)
     alloc += f"; gc collections by generation {gct.count}, {gct.ms / calls:.3f} ms a call"
     sync = f"  host syncs in one call: {len(syncs)}" + "".join(f"\n    {w}" for w in syncs[:12])
-    return "\n".join([head, alloc, sync, _table(prof, calls, "tottime", top), _table(prof, calls, "cumtime", top), ""])
+    return "\n".join([head, alloc, sync, _table(prof, calls, "tottime", top), _table(prof, calls, "cumtime", top),
+                      kernels, ""])
 
 
 def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tuple[str, Any, list[Any]]]:

@@ -123,25 +123,27 @@ def launch_or_op(launcher: Callable, op: Callable, *args: Any) -> Any:
 # ---- launches ------------------------------------------------------------------------------------
 
 _INT32 = (-(1 << 31), 1 << 31)
-_DIRECT: dict[tuple, tuple] = {}  # (kernel, meta, argument key, device) -> (compiled kernel, constexpr tail)
+# id(kernel) -> (kernel, {(constexprs, argument key, device): (compiled launcher, head, constexpr tail)}):
+# keyed by id, checked by identity, because a JITFunction's __hash__ is Python code run on every launch
+_DIRECT: dict[int, tuple[Any, dict[tuple, tuple]]] = {}
+_INT_KEYS: dict[int, tuple] = {}  # an int's `_arg_key` entry: strides and sizes repeat between launches
+
+
+def _int_key(a: int) -> tuple:
+    k = (a == 1, not a & 15, 0 if _INT32[0] <= a < _INT32[1] else 1 if a < 1 << 63 else 2)
+    if len(_INT_KEYS) < 1 << 16:
+        _INT_KEYS[a] = k
+    return k
 
 
 def _arg_key(args: tuple) -> tuple:
     """What Triton specialises a compiled kernel on, per positional argument, or finer: a tensor's
     dtype and 16-byte alignment; an int's == 1, multiple of 16 and width (i32, i64 or u64); a
-    float's type only."""
-    key = []
-    for a in args:
-        t = type(a)
-        if t is int:
-            key.append((a == 1, not a & 15, 0 if _INT32[0] <= a < _INT32[1] else 1 if a < 1 << 63 else 2))
-        elif t is float:
-            key.append(float)
-        elif isinstance(a, Tensor):
-            key.append((a.dtype, not a.data_ptr() & 15))
-        else:  # None, bools, strings: part of the kernel's identity
-            key.append((t, a))
-    return tuple(key)
+    float's type only; anything else (None, bools, strings) is part of the kernel's identity.
+    One comprehension and a dict of ints' entries: this runs on every launch of an eager batch."""
+    return tuple([(_INT_KEYS.get(a) or _int_key(a)) if type(a) is int
+                  else (a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor)
+                  else float if type(a) is float else (type(a), a) for a in args])
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
@@ -171,16 +173,19 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         return
     driver = _driver()
     device = _device_getter()()
-    key = (kernel, tuple(meta.items()), _arg_key(args), device)
-    hit = _DIRECT.get(key)
+    per = _DIRECT.get(id(kernel))
+    if per is None or per[0] is not kernel:  # a kernel seen for the first time (or a reused id)
+        per = _DIRECT[id(kernel)] = (kernel, {})
+    key = (tuple(meta.items()), _arg_key(args), device)
+    hit = per[1].get(key)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
         names = kernel.arg_names[len(args):]
         defaults = {p.name: p.default for p in kernel.params}
         tail = tuple(meta[n] if n in meta else defaults[n] for n in names)
-        if len(_DIRECT) > 4096:  # a run with many shapes' alignments: start over rather than grow
-            _DIRECT.clear()
-        _DIRECT[key] = (*_launcher(compiled), tail)
+        if len(per[1]) > 4096:  # a run with many shapes' alignments: start over rather than grow
+            per[1].clear()
+        per[1][key] = (*_launcher(compiled), tail)
         return
     fn, head, tail = hit
     g1 = grid[1] if len(grid) > 1 else 1
