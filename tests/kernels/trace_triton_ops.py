@@ -268,17 +268,19 @@ def symbolic_scalars() -> str | None:
         node = env.create_symbol(value, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
         return env.create_symfloatnode(node, hint=value) if isinstance(value, float) else env.create_symintnode(node, hint=value)
 
-    launched = []
+    launched, steps = [], []
 
     def record(kernel, grid, args, meta):
         bad = [type(a).__name__ for a in (*args, *meta.values()) if isinstance(a, (torch.SymFloat, torch.SymBool))]
         launched.append(bad)
+        steps.append(args[next(i for i, a in enumerate(args) if a is cu) + 3])  # CU, T, S, then the binary search's step count
 
     saved = _common._traced_launch
     _common._traced_launch = record
     try:
+        real_q, real_cu = torch.randn(24, 2, 16), torch.tensor([0, 10, 24], dtype=torch.int32)  # outside the mode
         with mode:
-            q, cu = fake(torch.randn(24, 2, 16)), fake(torch.tensor([0, 10, 24], dtype=torch.int32))
+            q, cu = fake(real_q), fake(real_cu)
             window = (sym(6, "left"), sym(6, "right"))
             max_seqlen, scale = sym(14, "max_seqlen"), sym(0.25, "scale")
             o, lse = attention_fwd(q, q, q, cu, max_seqlen, window, scale, lse=True)
@@ -289,6 +291,8 @@ def symbolic_scalars() -> str | None:
         _common._traced_launch = saved
     if len(launched) != 3 or any(launched):
         return f"launches with symbolic floats / bools: {launched}"
+    if steps != [31] * 3:  # ceil(log2 S) of a symbolic S would specialise the graph on S: one compile per batch size
+        return f"binary-search steps {steps}, not the bound 31 for a symbolic sequence count"
     return None
 
 
