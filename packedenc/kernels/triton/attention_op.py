@@ -89,6 +89,9 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse2, cu_seqlens)
     ctx.args = (max_seqlen, left, right, scale, lse)
     ctx.mark_non_differentiable(lse2)
+    # No zero-filled (H, T) gradient for the LSE: autograd would make one (and launch a fill) for
+    # every attention backward of every layer
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):

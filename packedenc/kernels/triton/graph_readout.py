@@ -270,9 +270,12 @@ def _setup(ctx, inputs, output):
     z, weight, bias, cu_seqlens, _ = inputs
     ctx.save_for_backward(z, weight, bias, cu_seqlens, output[1], output[2])
     ctx.has_bias = bias is not None
+    ctx.set_materialize_grads(False)  # the statistics' gradients are never read: no zeros for them
 
 
 def _backward(ctx, g, dm, dden):
+    if g is None:  # only the statistics of the raw op were used: they carry no gradient
+        return None, None, None, None, None
     z, weight, bias, cu_seqlens, m, den = ctx.saved_tensors
     dz, dw, db = launch_or_op(_readout_bwd_cuda, torch.ops.packedenc.graph_readout_bwd, g, z, weight,
                               bias if ctx.has_bias else None, cu_seqlens, m, den)

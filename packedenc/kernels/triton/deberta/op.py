@@ -90,6 +90,7 @@ def _setup(ctx, inputs, output):
     q, k, v, cu_seqlens, max_seqlen, pos_key, pos_query, buckets, max_rel, scale, _ = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled (T, H) gradient for the LSE in every layer's backward
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, pos_key, pos_query)
     ctx.args = (max_seqlen, buckets, max_rel, scale)
 
