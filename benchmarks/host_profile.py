@@ -1,7 +1,8 @@
 """Where the host time of one eager call goes, function by function (cProfile), for the calls issue
 19 measures host-bound: DeBERTa-v3-base inference on `mnli` batches, ModernBERT-base inference on
 `query` batches and a ModernBERT-base MLM training step on `doc-b8` and `doc` batches (packedenc's
-eager step and the plain-torch one, `torch-packed`, side by side).
+eager step and the plain-torch one, `torch-packed`, side by side; the graphed step on `doc-b8`, whose
+kernel table shows where its device time goes).
 
     python3 -m benchmarks.host_profile --out gpu_out/host_profile.txt        # H200: ~1 min
     python3 -m benchmarks.host_profile --tiny --device cpu                   # a CPU smoke run
@@ -125,15 +126,18 @@ def _kernel_table(run: Callable[[Any], Any], inputs: list[Any], device: torch.de
     return f"  GPU work of {len(inputs)} calls, by self CUDA time:\n{table}"
 
 
-def profile_case(name: str, system: Any, batches: list[Any], calls: int, device: torch.device, top: int) -> str:
+def profile_case(name: str, system: Any, batches: list[Any], calls: int, device: torch.device, top: int,
+                 workload: Any = None) -> str:
     system.setup()
+    if workload is not None:  # a graphed system builds its graphs for the workload here
+        system.skip_reason(workload)
     inputs = [system.prepare(b) for b in batches]
     grad = getattr(system, "grad", False)
     ctx = torch.enable_grad if grad else torch.inference_mode
     with ctx():
-        for x in inputs:  # warm-up: compile, caches, allocator
-            system.run(x)
-            system.run(x)
+        for x in inputs:  # warm-up: compile, caches, allocator, graph capture (graphed: the 3rd use)
+            for _ in range(getattr(system, "warmup_passes", 1) + 1):
+                system.run(x)
         stats0 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
         with _GcTimer() as gct:
             loop_ms = _loop(system.run, inputs, calls, device)
@@ -157,7 +161,8 @@ def profile_case(name: str, system: Any, batches: list[Any], calls: int, device:
                       kernels, ""])
 
 
-def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tuple[str, Any, list[Any]]]:
+def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tuple[str, Any, list[Any], Any]]:
+    """(name, system, batches, workload for a graphed system's buckets or None) of each case."""
     from benchmarks import encode, train
 
     out = []
@@ -172,9 +177,10 @@ def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tupl
             params = bench.make_params(tiny, torch.float32 if tiny else bench.dtype)
             w = encode._workloads(bench, [workload], params.config.vocab_size, args)[0]
             system = next(s for s in bench.make_systems(params, device) if s.name == "packedenc")
-            out.append((case, system, [w.batch(i) for i in range(min(8, len(w.batches)))]))
+            out.append((case, system, [w.batch(i) for i in range(min(8, len(w.batches)))], None))
     train_cases = [(f"{who}-train-{wl}", name, wl) for wl in ("doc-b8", "doc")
                    for who, name in (("modernbert", "packedenc"), ("torch-packed", "torch-packed"))]
+    train_cases.append(("graphed-train-doc-b8", "packedenc+graphs", "doc-b8"))  # its kernels: the fixed cost
     if any(want(c) for c, _, _ in train_cases):
         bench = train.benches()["modernbert-base"]
         host = bench.make_params(tiny)
@@ -185,7 +191,7 @@ def cases(tiny: bool, device: torch.device, only: list[str] | None) -> list[tupl
                 w = train.workloads(bench, [wl], host.config.vocab_size, args)[0]
                 batches = [w.batch(i) for i in range(min(8, len(w.batches)))]
                 system = next(s for s in bench.make_systems(host, device, dt) if s.name == name)
-                out.append((case, system, batches))
+                out.append((case, system, batches, w if name == "packedenc+graphs" else None))
     return out
 
 
@@ -202,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [f"host_profile: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
              f"torch {torch.__version__}, commit {common_commit()}"]
     print(parts[0], flush=True)
-    for name, system, batches in cases(args.tiny, device, args.only):
-        text = profile_case(name, system, batches, args.calls, device, args.top)
+    for name, system, batches, workload in cases(args.tiny, device, args.only):
+        text = profile_case(name, system, batches, args.calls, device, args.top, workload)
         print(text, flush=True)
         parts.append(text)
     if args.out:

@@ -217,6 +217,20 @@ def test_host_probe_runs_every_row_on_the_cpu(tmp_path):
     assert {"triton-launch[24 args]", "ops.add_layer_norm+grad[auto]", "encode(1 layers)[auto]"} <= {r["system"] for r in recs}
 
 
+def test_host_profile_reports_each_case_on_the_cpu(tmp_path):
+    """`benchmarks.host_profile` (cProfile of the host-bound eager calls) end to end, tiny, on the CPU."""
+    from benchmarks import host_profile
+
+    out = tmp_path / "profile.txt"
+    cases = ["deberta-mnli", "modernbert-train-doc-b8", "graphed-train-doc-b8"]
+    assert host_profile.main(["--tiny", "--device", "cpu", "--calls", "1", "--top", "5", "--only", *cases,
+                              "--out", str(out)]) == 0
+    text = out.read_text()
+    for case in cases:
+        assert f"== {case}: loop " in text, text[:500]
+    assert "function (tottime)" in text and "deberta/model.py" in text and "gc collections" in text
+
+
 def test_replace_text_leaves_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
     import os
 
