@@ -92,23 +92,21 @@ def _syncs(run: Callable[[Any], Any], x: Any, device: torch.device) -> list[str]
     found: list[str] = []
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        text = str(message).splitlines()[0]
+        if text.startswith("Synchronization debug mode is a prototype"):  # the mode's own notice, not a sync
+            return
         ours = [f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in traceback.extract_stack()
                 if "packedenc" in f.filename or "benchmarks" in f.filename][-4:]
-        found.append(f"{str(message).splitlines()[0][:90]} <- {' < '.join(reversed(ours))}")
+        found.append(f"{text[:90]} <- {' < '.join(reversed(ours))}")
 
-    saved = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                run(x)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = saved
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return found
 
 

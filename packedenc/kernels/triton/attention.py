@@ -299,12 +299,12 @@ def launch_args(q: Tensor, cu_seqlens: Tensor, window: tuple[int, int], scale: f
     S = cu_seqlens.shape[0] - 1
     left, right = int(window[0]), int(window[1])
     meta = _meta(Kd, left >= 0, right >= 0, q.dtype == torch.float32)
-    # windows are clamped to T: no int32 overflow in row +- window
-    # float(): a symbolic scale (torch.compile with dynamic=True derives it from a symbolic head
-    # dim) is specialised here, like the head dim, rather than handed to the traced launch
     # n_steps: ceil(log2 S) binary-search steps; a symbolic S (a trace with dynamic shapes) takes
     # 31, enough for any int32 count, so the graph does not specialise on S (a few more L1 loads)
     n_steps = max(1, (S - 1).bit_length()) if type(S) is int else 31
+    # windows are clamped to T: no int32 overflow in row +- window. float(): a symbolic scale
+    # (dynamic=True derives it from a symbolic head dim) is specialised here, like the head dim,
+    # rather than handed to the traced launch
     return S, n_steps, min(max(left, 0), T), min(max(right, 0), T), float(scale) * LOG2E, meta
 
 

@@ -130,8 +130,7 @@ def check_inputs(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens: Tens
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != q.device:
         raise InputError(f"varlen_attention: cu_seqlens must be (S + 1,) int32 on {q.device}, got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
-    # a host float: a head dim that is symbolic (torch.compile, dynamic=True) is specialised here
-    scale = int(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not scale > 0:  # the kernels fold the scale into the running max, which needs scale > 0
         raise InputError(f"varlen_attention: scale must be > 0, got {scale}")
     return scale
@@ -215,7 +214,7 @@ def graph_attention(
     if k_THK is not None or v_THK is not None:
         raise InputError("graph_attention (triton): takes a full layer's fused (T, 3, H, K) qkv buffer "
                          "with k = v = None; the op table routes other calls elsewhere")
-    K = int(q_QHK.shape[-1])
+    K = q_QHK.shape[-1]
     scale = K**-0.5 if scale is None else scale
     if cu_seqlens_k.dtype != torch.int32:
         cu_seqlens_k = cu_seqlens_k.to(torch.int32)
