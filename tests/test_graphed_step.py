@@ -192,6 +192,8 @@ def test_bad_configuration_and_batches_are_refused():
         make_step(classify_loss, AdamW(), clip_norm=0)
     with pytest.raises(pe.ConfigError, match="AdamW needs"):
         AdamW(lr=-1)
+    with pytest.raises(pe.ConfigError, match="fp32 master weights"):  # the fused update needs them
+        TrainState.create(pe.tree_cast(_clone(params), torch.bfloat16), step.optimizer)
     jstep = graphed_step(step, state, max_tokens=64, max_seqs=4, pad=PAD)
     b = _batch(g, 3)
     with pytest.raises(pe.InputError, match="no padding rule"):

@@ -16,7 +16,11 @@ The step runs in two phases, the seam where gradient accumulation and CUDA graph
    coefficient) is a device tensor: no host sync, and a graph captured once serves every step.
 
 AdamW is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps outside the
-square root), written with `torch._foreach_*` ops over the params leaves.
+square root), through torch's fused multi-tensor kernel (`torch._fused_adamw_`, the one behind
+`torch.optim.AdamW(fused=True)`, on CPU and CUDA), with the learning rate and the step count as
+device tensors. The micro-batch mean and the clipping coefficient reach it as one device divisor
+(`grad_scale`), so the gradients are read once: the update moves ~28 bytes a parameter, where the
+chain of `_foreach_*` ops it replaced moved ~100 (benchmarks/NOTES.md, "Kept").
 
 Shapes: P the number of params leaves, N their total elements.
 """
@@ -68,23 +72,17 @@ class AdamW:
             exp_avg_sq=tuple(torch.zeros_like(t, dtype=torch.float32) for t in leaves),
         )
 
-    def update_(self, leaves: list[Tensor], grads: list[Tensor], s: AdamWState) -> None:
-        """One AdamW step, in place on `leaves` and `s`. Device scalars only: capturable."""
+    def update_(self, leaves: list[Tensor], grads: list[Tensor], s: AdamWState,
+                grad_divisor: Tensor | None = None) -> None:
+        """One AdamW step, in place on `leaves` and `s` (and on `grads`, which end up divided by
+        `grad_divisor`, a device scalar, when one is given). Device scalars only: capturable."""
         b1, b2 = self.betas
         s.step.add_(1)
-        c1 = s.lr / (1 - torch.pow(b1, s.step))  # step size, bias-corrected
-        c2 = torch.rsqrt(1 - torch.pow(b2, s.step))  # 1 / sqrt(second-moment correction)
-        m, v = list(s.exp_avg), list(s.exp_avg_sq)
-        if self.weight_decay:
-            torch._foreach_mul_(leaves, 1 - s.lr * self.weight_decay)
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, 1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_mul_(denom, c2)
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_div_(denom, c1)  # (sqrt(v_hat) + eps) / step size
-        torch._foreach_addcdiv_(leaves, m, denom, value=-1.0)
+        # one fused kernel over every leaf; it reads the step count of each leaf from a tensor
+        # (all of them share the state's one count) and the learning rate from `s.lr`
+        torch._fused_adamw_(leaves, grads, list(s.exp_avg), list(s.exp_avg_sq), [], [s.step] * len(leaves),
+                            lr=s.lr, beta1=b1, beta2=b2, weight_decay=self.weight_decay, eps=self.eps,
+                            amsgrad=False, maximize=False, grad_scale=grad_divisor)
 
 
 @pytree_dataclass
@@ -112,9 +110,10 @@ def _float_leaves(params: Any) -> list[Tensor]:
     leaves = [t for t in pytree.tree_leaves(params) if isinstance(t, Tensor)]
     if not leaves:
         raise ConfigError("the params tree has no tensor leaves to train")
-    bad = sorted({str(t.dtype) for t in leaves if not t.is_floating_point()})
+    bad = sorted({str(t.dtype) for t in leaves if t.dtype != torch.float32})
     if bad:
-        raise ConfigError(f"params leaves must be floating point to train, found {bad}")
+        raise ConfigError(f"params leaves must be fp32 master weights to train (cast with "
+                          f"packedenc.tree_cast(params, torch.float32)), found {bad}")
     return leaves
 
 
@@ -152,14 +151,22 @@ class Step:
 
     def apply_(self, state: TrainState, grads: list[Tensor], scale: Tensor | float = 1.0) -> Tensor:
         """Scale the summed gradients (1 / micro-batches), all-reduce them over a process group
-        when one is up, clip, and take the AdamW step in place. Return the gradient norm."""
-        torch._foreach_mul_(grads, scale)
+        when one is up, clip, and take the AdamW step in place. Return the gradient norm (of the
+        scaled gradients, before clipping). The scale and the clip coefficient are not applied by
+        passes of their own: the fused update divides each gradient by their one device divisor."""
         _all_reduce_mean(grads)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) * scale
+        factor = None if isinstance(scale, float) and scale == 1.0 else scale
         if self.clip_norm is not None:
-            norm = clip_by_global_norm(grads, self.clip_norm)
+            coef = (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s rule
+            factor = coef if factor is None else coef * factor
+        if isinstance(factor, Tensor):
+            divisor = torch.reciprocal(factor.float())
+        elif factor is not None:  # a host float: a device fill, not a host-to-device copy
+            divisor = torch.full((), 1.0 / factor, dtype=torch.float32, device=grads[0].device)
         else:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
-        self.optimizer.update_(_float_leaves(state.params), grads, state.opt)
+            divisor = None
+        self.optimizer.update_(_float_leaves(state.params), grads, state.opt, divisor)
         return norm
 
     # -- the whole step ----------------------------------------------------------------------
