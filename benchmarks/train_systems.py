@@ -217,16 +217,15 @@ class GraphedStepTrain(PackedencTrain):
 
         # fp32 master weights owned by the state, a copy: its in-place updates must not reach the host tree
         self.params = torch.utils._pytree.tree_map(lambda t: t.detach().to(self.device, copy=True), self.host_params)
-        self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01))
+        self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01), compute_dtype=self.compute)
         self.state = TrainState.create(self.params, self.fn.optimizer)
 
     def _loss(self, params: Any, batch: dict[str, Any]) -> Tensor:
         from packedenc.train.losses import mlm_loss
 
-        b = batch["text"]
-        p = params if self.compute is None else pe.tree_cast(params, self.compute)
-        h_TD = pe.encode(p, b.ids, b.cu_seqlens, b.max_seqlen, b.positions)
-        return mlm_loss(p, h_TD, batch["pos"], batch["tgt"])
+        b = batch["text"]  # params: cast to the compute dtype by the step
+        h_TD = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, b.positions)
+        return mlm_loss(params, h_TD, batch["pos"], batch["tgt"])
 
     def skip_reason(self, workload: Workload) -> str | None:
         # asked first for every workload, before the memory counters reset: where its graphs start

@@ -87,12 +87,14 @@ def compute_dtype(device: str) -> torch.dtype | None:
     return torch.bfloat16 if device.startswith("cuda") else None
 
 
-def train_step(loss_fn, params, lr: float, *, pad=None, max_tokens: int = 4096, max_seqs: int = 64):
-    """The training step: AdamW (weight decay 0.01) on fp32 master weights, replayed as CUDA graphs on a
+def train_step(loss_fn, params, lr: float, *, compute_dtype=None, pad=None, max_tokens: int = 4096,
+               max_seqs: int = 64):
+    """The training step: AdamW (weight decay 0.01) on fp32 master weights, the loss on their casts to
+    `compute_dtype` (bf16 on a GPU: `compute_dtype(device)`), replayed as CUDA graphs on a
     GPU (`graphed_step`: one graph per padded bucket; batches over the budget run eagerly), the same
     padded phases run eagerly on a CPU. The params tree is donated: read it back from `.state.params`.
     Under torchrun the gradients are averaged over the ranks inside the step."""
-    step = make_step(loss_fn, AdamW(lr=lr, weight_decay=0.01))
+    step = make_step(loss_fn, AdamW(lr=lr, weight_decay=0.01), compute_dtype=compute_dtype)
     return graphed_step(step, TrainState.create(params, step.optimizer), max_tokens=max_tokens, max_seqs=max_seqs,
                         pad=pad)
 

@@ -30,13 +30,12 @@ def main() -> None:
     dt = compute_dtype(args.device)
 
     def loss_fn(p, batch):
-        p = pe.tree_cast(p, dt) if dt else p  # bf16 compute; the fp32 master weights get the gradients
-        t = batch["text"]
+        t = batch["text"]  # p: the bf16 casts of the fp32 master weights on a GPU (the step's compute_dtype)
         h = pe.encode(p, t.ids, t.cu_seqlens, t.max_seqlen)
         return classification_loss(modernbert.classify(p, h, t.cu_seqlens), batch["labels"])
 
     # dummy sequences of a padded batch get label -100: cross-entropy ignores them
-    step = train_step(loss_fn, params, args.lr, pad={"labels": Pad("text.seqs", -100)})
+    step = train_step(loss_fn, params, args.lr, compute_dtype=dt, pad={"labels": Pad("text.seqs", -100)})
     g = torch.Generator().manual_seed(args.seed)
     losses = []
     for i in range(args.steps):

@@ -35,10 +35,10 @@ def make_batch(n: int, vocab: int, g: torch.Generator, device: str):
     return {"q": q, "d": d, "q_real": ones, "d_real": ones}
 
 
-def contrastive_loss(params, batch, dt):
-    q, d = batch["q"], batch["d"]
-    hq = pe.encode(params, q.ids, q.cu_seqlens, q.max_seqlen, compute_dtype=dt)
-    hd = pe.encode(params, d.ids, d.cu_seqlens, d.max_seqlen, compute_dtype=dt)
+def contrastive_loss(params, batch):
+    q, d = batch["q"], batch["d"]  # params: bf16 casts of the master weights on a GPU (the step casts)
+    hq = pe.encode(params, q.ids, q.cu_seqlens, q.max_seqlen)
+    hd = pe.encode(params, d.ids, d.cu_seqlens, d.max_seqlen)
     return info_nce(pe.pool_mean(hq, q.cu_seqlens), pe.pool_mean(hd, d.cu_seqlens), temperature=0.05,
                     q_valid=batch["q_real"], p_valid=batch["d_real"])
 
@@ -48,7 +48,7 @@ def main() -> None:
     args.device = distributed_device(args.device)
     params = load_model(args.model, args.device)
     dt = compute_dtype(args.device)
-    step = train_step(lambda p, b: contrastive_loss(p, b, dt), params, args.lr,
+    step = train_step(contrastive_loss, params, args.lr, compute_dtype=dt,
                       pad={"q_real": Pad("q.seqs", 0), "d_real": Pad("d.seqs", 0)})
     g = torch.Generator().manual_seed(args.seed)
     vocab = params.config.vocab_size

@@ -34,12 +34,11 @@ def main() -> None:
     mask_id = 50284 if cfg.vocab_size > 50284 else cfg.vocab_size - 1
 
     def loss_fn(p, batch):
-        p = pe.tree_cast(p, dt) if dt else p  # bf16 compute; the fp32 master weights get the gradients
-        t = batch["text"]
+        t = batch["text"]  # p: the bf16 casts of the fp32 master weights on a GPU (the step's compute_dtype)
         return mlm_loss(p, pe.encode(p, t.ids, t.cu_seqlens, t.max_seqlen), batch["pos"], batch["tgt"])
 
     # masked positions are a free axis, padded with position 0 and an ignored target
-    step = train_step(loss_fn, params, args.lr, pad={"pos": Pad("masked", 0), "tgt": Pad("masked", -100)})
+    step = train_step(loss_fn, params, args.lr, compute_dtype=dt, pad={"pos": Pad("masked", 0), "tgt": Pad("masked", -100)})
     g = torch.Generator().manual_seed(args.seed)
     losses = []
     for i in range(args.steps):

@@ -115,6 +115,26 @@ def test_gradient_accumulation_is_the_mean_over_micro_batches():
     _assert_params_close(jstep.state, leaves, 1e-4)
 
 
+def test_compute_dtype_is_casting_inside_the_loss():
+    """make_step(compute_dtype=bf16): one cast outside autograd, bf16 gradients widened by the
+    accumulator; the same losses and params as autograd through `tree_cast` inside the loss."""
+    params, g = _params(), torch.Generator().manual_seed(9)
+    batches = [_batch(g, n) for n in (4, 6, 3, 5)]
+    outside = make_step(classify_loss, AdamW(lr=1e-2), compute_dtype=torch.bfloat16)
+    inside = make_step(lambda p, b: classify_loss(pe.tree_cast(p, torch.bfloat16), b), AdamW(lr=1e-2))
+    a, b = TrainState.create(_clone(params), outside.optimizer), TrainState.create(_clone(params), inside.optimizer)
+    got = [float(outside.update_(a, batches[i:i + 2])) for i in (0, 2)]  # 2 micro-batches a step
+    want = [float(inside.update_(b, batches[i:i + 2])) for i in (0, 2)]
+    assert got == want
+    for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    jstep = graphed_step(outside, TrainState.create(_clone(params), outside.optimizer), max_tokens=128, max_seqs=8,
+                         pad=PAD)
+    assert [float(jstep(batches[i:i + 2])) for i in (0, 2)] == pytest.approx(want, rel=1e-2)  # padded bf16 sums
+    with pytest.raises(pe.ConfigError, match="compute_dtype"):
+        make_step(classify_loss, AdamW(), compute_dtype=torch.int32)
+
+
 def test_bucket_selection_and_overflow_fallback():
     params, g = _params(), torch.Generator().manual_seed(4)
     step = make_step(classify_loss, AdamW(lr=1e-2))
@@ -142,7 +162,7 @@ def test_dummy_tokens_and_sequences_get_exactly_zero_gradient():
     key = jstep.bucket_for(b)
     bucket = dict(key)["text"]
     assert bucket.tokens > b["text"].num_tokens  # there are dummy tokens in the padded batch
-    jstep._accumulate(b)
+    jstep._accumulate(b, first=True)
     padded = jstep._entries[key].batch
     assert (padded["labels"][5:] == -100).all() and padded["text"].cu_seqlens.numel() == bucket.seqs + 2
     word = torch.utils._pytree.tree_leaves(params.embeddings)[0]
@@ -229,10 +249,13 @@ def test_gpu_graphed_step_matches_the_eager_step_after_20_steps(family):
     params = _gpu_case(family)
     cls = modernbert.classify if family == "modernbert" else deberta.classify
 
-    def loss_fn(p, batch):
+    def loss_fn(p, batch):  # p: the step's bf16 casts of the master weights
         b = batch["text"]
-        h = pe.encode(p, b.ids, b.cu_seqlens, b.max_seqlen, compute_dtype=torch.bfloat16)
-        return losses.classification_loss(cls(pe.tree_cast(p, torch.bfloat16), h, b.cu_seqlens), batch["labels"])
+        return losses.classification_loss(cls(p, pe.encode(p, b.ids, b.cu_seqlens, b.max_seqlen), b.cu_seqlens),
+                                          batch["labels"])
+
+    def casting_loss_fn(p, batch):  # the eager reference casts inside its loss (autograd through the casts)
+        return loss_fn(pe.tree_cast(p, torch.bfloat16), batch)
 
     g = torch.Generator().manual_seed(8)
     vocab = params.config.vocab_size
@@ -242,12 +265,13 @@ def test_gpu_graphed_step_matches_the_eager_step_after_20_steps(family):
                 for _ in range(n)]
         batches.append({"text": pe.pack(seqs, device="cuda"),
                         "labels": torch.randint(0, 2, (n,), generator=g).cuda()})
-    step = make_step(loss_fn, AdamW(lr=1e-3), clip_norm=1.0)
+    step = make_step(loss_fn, AdamW(lr=1e-3), clip_norm=1.0, compute_dtype=torch.bfloat16)
     jstep = graphed_step(step, TrainState.create(_clone(params), step.optimizer), max_tokens=1024, max_seqs=16,
                          pad=PAD, pad_id=vocab - 1)
+    eager_step = make_step(casting_loss_fn, AdamW(lr=1e-3), clip_norm=1.0)
     eager = TrainState.create(_clone(params), step.optimizer)
     got = torch.stack([jstep(b) for b in batches]).tolist()
-    want = torch.stack([step.update_(eager, b) for b in batches]).tolist()
+    want = torch.stack([eager_step.update_(eager, b) for b in batches]).tolist()
     assert jstep.num_graphs >= 3  # buckets captured and replayed, plus the update graph
     assert got == pytest.approx(want, rel=2e-2, abs=2e-3)  # bf16 noise over 20 steps
     for a, b in zip(torch.utils._pytree.tree_leaves(jstep.state.params), torch.utils._pytree.tree_leaves(eager.params)):

@@ -18,8 +18,9 @@ ones, in `buckets.py`): the loss sees S_b + 1 sequences, so a per-sequence field
 rows; a per-sequence weight field (ones, padded 0) masks dummies in losses over pooled rows.
 
 Two graphs make a step, the seam of gradient accumulation: per bucket, loss + gradients of one
-micro-batch added into fp32 accumulators (`Step.grads`); once per step, the update (`Step.apply_`:
-mean, all-reduce under a process group, clipping, AdamW). A new bucket runs `warmup` discarded
+micro-batch written (the step's first micro-batch) or added (later ones: a second graph of the
+bucket) into fp32 accumulators (`Step.grads`); once per step, the update (`Step.apply_`: mean,
+all-reduce under a process group, clipping, AdamW). A new bucket runs `warmup` discarded
 forward + backward passes on a side stream (lazy initialisation, compilation) and is captured at
 its first use; the first update runs eagerly (a real one, its warm-up) and the second is captured.
 Replays do not synchronise with the host. Batches over the budget run eagerly, unpadded, into the
@@ -63,7 +64,7 @@ class _Entry:
 
     batch: dict[str, Any]
     uses: int = 0
-    graph: Any = None
+    graphs: dict[bool, Any] = dataclasses.field(default_factory=dict)  # first micro-batch of a step or not
 
 
 class GraphedStep:
@@ -94,7 +95,7 @@ class GraphedStep:
 
     @property
     def num_graphs(self) -> int:
-        return sum(e.graph is not None for e in self._entries.values()) + (self._update_graph is not None)
+        return sum(len(e.graphs) for e in self._entries.values()) + (self._update_graph is not None)
 
     @property
     def grad_norm(self) -> Tensor:
@@ -134,8 +135,8 @@ class GraphedStep:
         if not micro:
             raise InputError("a training step needs at least one batch")
         with torch.inference_mode(False):
-            for b in micro:
-                self._accumulate(self._checked(b))
+            for i, b in enumerate(micro):
+                self._accumulate(self._checked(b), first=i == 0)
             self._inv_n.fill_(1.0 / len(micro))
             self._run_update()
         return self._loss_out.clone()
@@ -167,7 +168,7 @@ class GraphedStep:
 
     # -- phase 1: a micro-batch ---------------------------------------------------------------
 
-    def _accumulate(self, batch: dict[str, Any]) -> None:
+    def _accumulate(self, batch: dict[str, Any], first: bool) -> None:
         key = self.bucket_for(batch)
         if key is None:
             if not self._warned:
@@ -175,7 +176,7 @@ class GraphedStep:
                               f"max_seqs={self.max_seqs}) runs eagerly; later ones will too, without a warning",
                               stacklevel=3)
                 self._warned = True
-            self._grads_into_acc(batch)
+            self._grads_into_acc(batch, first)
             return
         entry = self._entries.get(key)
         if entry is None:
@@ -186,12 +187,13 @@ class GraphedStep:
         self._fill(key, batch, entry.batch)
         entry.uses += 1
         if not self.capture:
-            self._grads_into_acc(entry.batch)
+            self._grads_into_acc(entry.batch, first)
             return
-        if entry.graph is None:
+        graph = entry.graphs.get(first)
+        if graph is None:
             self._warm_up(entry.batch)
-            entry.graph = self._capture(lambda: self._grads_into_acc(entry.batch))
-        entry.graph.replay()
+            graph = entry.graphs[first] = self._capture(lambda: self._grads_into_acc(entry.batch, first))
+        graph.replay()
 
     def _warm_up(self, batch: dict[str, Any]) -> None:
         """Forward + backward passes whose results are dropped, on the capture stream: what a
@@ -203,10 +205,16 @@ class GraphedStep:
                 self.step.grads(self.state.params, batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def _grads_into_acc(self, batch: dict[str, Any]) -> None:
+    def _grads_into_acc(self, batch: dict[str, Any], first: bool) -> None:
+        """The first micro-batch of a step writes the accumulators (no zeroing pass, no read of
+        the old sums), later ones add to them; gradients in a compute dtype are widened here."""
         loss, grads = self.step.grads(self.state.params, batch)
-        torch._foreach_add_(self._acc, grads)
-        self._loss_acc.add_(loss)
+        if first:
+            torch._foreach_copy_(self._acc, grads)
+            self._loss_acc.copy_(loss)
+        else:
+            torch._foreach_add_(self._acc, grads)
+            self._loss_acc.add_(loss)
 
     # -- phase 2: the update ------------------------------------------------------------------
 
@@ -222,8 +230,6 @@ class GraphedStep:
     def _update(self) -> None:
         torch.mul(self._loss_acc, self._inv_n, out=self._loss_out)
         self._norm_out.copy_(self.step.apply_(self.state, self._acc, self._inv_n))
-        torch._foreach_zero_(self._acc)
-        self._loss_acc.zero_()
 
     # -- buffers and capture ------------------------------------------------------------------
 

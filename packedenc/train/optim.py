@@ -2,15 +2,16 @@
 
     opt = AdamW(lr=2e-5, weight_decay=0.01)
     state = TrainState.create(params, opt)                 # fp32 master params + AdamW moments
-    step = make_step(loss_fn, opt, clip_norm=1.0)          # loss_fn(params, batch) -> scalar
+    step = make_step(loss_fn, opt, clip_norm=1.0,          # loss_fn(params, batch) -> scalar
+                     compute_dtype=torch.bfloat16)         # the loss sees bf16 casts of the params
     loss, state = step(state, batch)                       # pure: the old state is left alone
     loss = step.update_(state, [batch_a, batch_b])         # in place (state donated), 2 micro-batches
 
 `packedenc.cudagraphs.graphed_step(step, state, ...)` replays the same phases as CUDA graphs.
 
 The step runs in two phases, the seam where gradient accumulation and CUDA graphs cut it:
-1. `grads`: loss and gradients of one micro-batch (`torch.autograd.grad` over the params leaves),
-   added into a flat fp32 accumulator;
+1. `grads`: loss and gradients of one micro-batch (`torch.autograd.grad` over the params leaves,
+   or over their casts to `compute_dtype`), summed into fp32 accumulators;
 2. `apply_`: mean over the micro-batches, data-parallel all-reduce when a process group is up,
    global-norm clipping, AdamW. Every scalar (learning rate, step count, bias corrections, clip
    coefficient) is a device tensor: no host sync, and a graph captured once serves every step.
@@ -132,12 +133,21 @@ class Step:
     loss_fn: LossFn
     optimizer: AdamW
     clip_norm: float | None = None
+    compute_dtype: torch.dtype | None = None
 
     # -- phase 1: one micro-batch -----------------------------------------------------------
 
     def grads(self, params: Any, batch: Any) -> tuple[Tensor, list[Tensor]]:
-        """(loss, gradient of every params leaf) of one micro-batch; nothing is mutated."""
+        """(loss, gradient of every params leaf) of one micro-batch; nothing is mutated. With a
+        `compute_dtype` the loss sees the leaves cast to it and the gradients are in that dtype
+        (the values a cast's backward would widen to fp32: the accumulator widens them instead)."""
         leaves, spec = pytree.tree_flatten(params)
+        ts = [t for t in leaves if isinstance(t, Tensor)]
+        if self.compute_dtype is not None:
+            work = [torch.empty_like(t, dtype=self.compute_dtype) for t in ts]
+            torch._foreach_copy_(work, [t.detach() for t in ts])  # one multi-tensor cast, outside autograd
+            it = iter(work)
+            leaves = [next(it) if isinstance(t, Tensor) else t for t in leaves]
         xs = [t.detach().requires_grad_(True) if isinstance(t, Tensor) else t for t in leaves]
         ts = [x for x in xs if isinstance(x, Tensor)]
         with torch.enable_grad():
@@ -194,15 +204,20 @@ class Step:
         return self.update_(new, batches), new
 
 
-def make_step(loss_fn: LossFn, optimizer: AdamW, *, clip_norm: float | None = None) -> Step:
+def make_step(loss_fn: LossFn, optimizer: AdamW, *, clip_norm: float | None = None,
+              compute_dtype: torch.dtype | None = None) -> Step:
     """The training step of `loss_fn(params, batch) -> scalar loss` with `optimizer`.
 
     Arguments:
         loss_fn: pure function of a params tree and a batch (anything: a `Packed`, a dict of
-            them and tensors); e.g. encode + `packedenc.train.losses.mlm_loss`. Mixed precision
-            lives inside it (`encode(..., compute_dtype=torch.bfloat16)` on fp32 master params).
+            them and tensors); e.g. encode + `packedenc.train.losses.mlm_loss`. For mixed
+            precision pass `compute_dtype` rather than casting inside it.
         optimizer: `AdamW(lr=..., weight_decay=...)`.
         clip_norm: clip the global gradient norm to this (None: no clipping).
+        compute_dtype: mixed precision, e.g. torch.bfloat16: the loss sees the fp32 master
+            weights cast to it (one multi-tensor cast a micro-batch), their gradients come back in
+            it and are summed in fp32. The same numbers as casting inside `loss_fn`
+            (`packedenc.tree_cast`), without a cast kernel and its backward per params leaf.
     Return:
         a `Step`: `step(state, batch) -> (loss, new_state)` (pure), `step.update_(state, batch)`
         (in place), and the phases `graphed_step` captures.
@@ -213,7 +228,9 @@ def make_step(loss_fn: LossFn, optimizer: AdamW, *, clip_norm: float | None = No
         raise ConfigError(f"optimizer must be packedenc.train.AdamW, got {type(optimizer).__name__}")
     if clip_norm is not None and not clip_norm > 0:
         raise ConfigError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-    return Step(loss_fn, optimizer, None if clip_norm is None else float(clip_norm))
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise ConfigError(f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
+    return Step(loss_fn, optimizer, None if clip_norm is None else float(clip_norm), compute_dtype)
 
 
 def _all_reduce_mean(grads: list[Tensor]) -> None:

@@ -411,3 +411,15 @@ def test_gpu_backward_ops(dtype, D):
     lowp, f32 = egrads(reference.embed_layer_norm, dtype), egrads(reference.embed_layer_norm, torch.float32)
     for name, a, c, e in zip(("dtable", "dw", "db"), got, lowp, f32):
         assert_close_to_ref(a, e, c, atol=1e-4, what=name)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (37, 2, 45), (70, 768)])  # P below, between and above the row chunk
+def test_colsum_sums_partial_rows_in_a_fixed_order(shape):
+    from packedenc.kernels.triton.colsum import colsum
+
+    part = torch.randn(shape).to(DEVICE)
+    got = colsum(part)
+    assert got.shape == shape[1:] and got.dtype == torch.float32
+    torch.testing.assert_close(got, part.double().sum(0).float(), rtol=1e-6, atol=1e-5)
+    assert torch.equal(got, colsum(part.clone()))  # deterministic
+    assert torch.equal(colsum(part[:0]), torch.zeros(shape[1:]).to(DEVICE))  # no rows: zeros

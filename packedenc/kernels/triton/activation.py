@@ -13,7 +13,7 @@ their derivatives are glu.py's `_act` (every activation of `reference._ACTS`), s
 With a bias (the FFN's first linear layer runs its GEMM without one) the kernels take (BLOCK_T,
 BLOCK_F) tiles so each column knows its bias. `_bias_act_bwd_kernel` then also sums the fp32 dx
 over its rows: P programs per column block each own a fixed range of row tiles and write one fp32
-partial row, and one torch sum of the (P, F) partials gives dbias. Autograd's `db = dy.sum(0)` of
+partial row, and `colsum` of the (P, F) partials gives dbias. Autograd's `db = dy.sum(0)` of
 a biased linear layer, a second full (T, F) read, is gone; the partition depends only on T, so the
 result is deterministic (no atomics). Without a bias the flat kernels run, unchanged.
 """
@@ -31,6 +31,7 @@ from packedenc.kernels.reference import backward as reference_bwd
 from packedenc.kernels.triton._common import (
     cdiv, check_float, direct_launch, eager_autograd, eager_cuda, launch, launch_or_op, next_pow2, rows,
 )
+from packedenc.kernels.triton.colsum import colsum
 from packedenc.kernels.triton.glu import _act, _code
 
 __all__ = ["activation", "activation_fwd", "activation_bwd", "bias_activation_fwd", "bias_activation_bwd", "BLOCK"]
@@ -182,7 +183,7 @@ def bias_activation_bwd(dy: Tensor, x: Tensor, bias: Tensor, act: str, tile: tup
             dy2, x2, bias.contiguous(), dx, part, T, F, tiles_per_prog,
             dy2.stride(0), x2.stride(0), dx.stride(0),
             ACT=code, BLOCK_T=BLOCK_T, BLOCK_F=BLOCK_F, num_warps=_NUM_WARPS)
-    return dx.view(x.shape), part.sum(0).to(bias.dtype)
+    return dx.view(x.shape), colsum(part).to(bias.dtype)
 
 
 def _fwd(x: Tensor, code: int, block: int = BLOCK, in_place: bool = False) -> Tensor:

@@ -10,8 +10,9 @@ without it) is added to x in fp32 first, inside the same rounding. With ids it g
 from the embedding table instead.
 Backward `_ln_bwd_kernel`: P <= BWD_PROGRAMS programs each own a fixed contiguous range of row tiles,
 recompute the statistics, write dx and one fp32 partial row each of dweight, dbias and (with an
-x_bias) d x_bias = column sums of the fp32 dx, into one (P, k, D) buffer: one torch sum and one
-cast then give all k. The partition depends only on T, so the backward is deterministic (no atomics).
+x_bias) d x_bias = column sums of the fp32 dx, into one (P, k, D) buffer; `colsum` sums
+its P rows (`colsum.py`; one cast then gives all k). The partition and the order of every sum depend only on T,
+so the backward is deterministic (no atomics).
 
 The registered ops and the Ops-table entries that launch these are in `layer_norm.py`.
 """
@@ -24,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels.triton._common import cdiv, check_float, launch, row_tile, rows
+from packedenc.kernels.triton.colsum import colsum
 
 __all__ = ["ln_fwd", "ln_bwd", "BWD_PROGRAMS"]
 
@@ -249,4 +251,4 @@ def ln_bwd(
             HAS_DSUM=dsum is not None, HAS_DB=need_db, HAS_DXB=need_dxb, K=part.shape[1], GATHER=ids is not None,
             BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps,
         )
-    return dx, part.sum(0)
+    return dx, colsum(part)
