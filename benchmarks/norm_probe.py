@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[65536, 16384, 4096])
     ap.add_argument("--fwd", nargs="*", default=list(FWD_TILES), help="rows,warps each")
     ap.add_argument("--bwd", nargs="*", default=list(BWD_TILES), help="rows,warps,programs each")
+    ap.add_argument("--colsum", nargs="*", default=[], help="BLOCK_P,BLOCK_C,warps tiles of the partial-row sum "
+                    "(kernels/triton/colsum.py), timed on (P, 768) fp32 for P = 1024 and 256 next to torch's sum(0)")
     ap.add_argument("--out", type=Path, help="write the records here as JSON")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -129,6 +131,22 @@ def main(argv: list[str] | None = None) -> int:
                 rec("layer_norm_bwd", f"triton[{spec}]",
                     device_ms(lambda: ln_bwd(dy, x, w, EPS, need_db=False, programs=progs, tile=(bt, nw))),
                     3 * row_bytes, tile=[bt, nw, progs], same=ok, diff=diff)
+    if a.colsum:
+        from packedenc.kernels.triton.colsum import colsum
+
+        for P in (1024, 256):
+            part = torch.randn(P, D, device="cuda", generator=g)
+            want = part.double().sum(0)
+            ms = device_ms(lambda: part.sum(0))
+            records.append({**head, "workload": "colsum", "tokens": P, "system": "torch", "ms": ms})
+            print(f"P={P:5d} colsum torch sum(0) {ms * 1e3:8.1f} us", flush=True)
+            for spec in a.colsum:
+                tile = tuple(int(v) for v in spec.split(","))
+                ok = bool(torch.allclose(colsum(part, tile).double(), want, rtol=1e-5, atol=1e-3))
+                ms = device_ms(lambda: colsum(part, tile))
+                records.append({**head, "workload": "colsum", "tokens": P, "system": f"triton[{spec}]", "ms": ms,
+                                "tile": list(tile), "same": ok})
+                print(f"P={P:5d} colsum triton[{spec}] {ms * 1e3:8.1f} us same={ok}", flush=True)
     print("\nbest per (workload, T):")
     best: dict[tuple[str, int], dict[str, Any]] = {}
     for r_ in records:

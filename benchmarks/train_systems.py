@@ -1,10 +1,11 @@
 """The contenders of the `train` family: one MLM optimizer step (forward + backward + AdamW) each.
 
 Every system holds fp32 master weights (the same host values for all of them) and an AdamW
-(fused on CUDA) over them; compute runs in `compute_dtype` (bf16 on a GPU, fp32 on the CPU smoke
-run): packedenc and the plain-torch baseline cast the params tree once per step with
+(torch's fused kernel on CUDA) over them; compute runs in `compute_dtype` (bf16 on a GPU, fp32 on the CPU smoke
+run): packedenc's step casts them once per micro-batch outside autograd (`make_step(compute_dtype=)`,
+one multi-tensor copy; the gradients widened into fp32 sums), the plain-torch baseline with
 `pe.tree_cast` (differentiable, so the gradients land on the fp32 leaves), the Hugging Face models
-run under `torch.autocast`. Every system scores the MLM head on the masked rows only and takes the
+under `torch.autocast`. Every system scores the MLM head on the masked rows only and takes the
 mean cross-entropy in fp32; dropout is off everywhere (packedenc's Triton attention kernels take no
 dropout, and equal losses across systems are the probe check).
 
@@ -119,52 +120,82 @@ class TrainSystem(System):
 
 
 class PackedencTrain(TrainSystem):
-    """`pe.encode` + `pe.losses.mlm_token_losses` on the masked rows, one `tree_cast` per step."""
+    """packedenc's own training step, eagerly: `make_step(mlm_loss, AdamW, compute_dtype=...)` and
+    `step.update_(state, batch)` (the library's default training path; `pe.encode` + `mlm_loss`
+    on the masked rows, one multi-tensor bf16 cast of the fp32 master weights a step, torch's fused
+    AdamW kernel). `packedenc+graphs` replays the same step from CUDA graphs."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
                  backend: str = "auto", checkpoint: bool = False) -> None:
         super().__init__(device, compute_dtype)
         self.name, self.host_params, self.backend, self.checkpoint = name, host_params, backend, checkpoint
         self.optional = checkpoint  # the memory / speed trade-off, on request
-        self.params: Any = None
+        self.fn: Any = None
+        self.state: Any = None
 
     def setup(self) -> None:
-        self.params = _trainable(self.host_params, self.device)
-        self.opt = adamw(torch.utils._pytree.tree_leaves(self.params))
+        from packedenc.train import AdamW, TrainState, make_step
 
-    def prepare(self, b: TrainBatch) -> tuple[Any, ...]:
-        d = self.device
-        return b.ids.to(d), b.cu_seqlens.to(d), b.max_seqlen, b.positions.to(d), b.targets.to(d)
+        # fp32 master weights owned by the state, a copy: its in-place updates must not reach the host tree
+        params = torch.utils._pytree.tree_map(lambda t: t.detach().to(self.device, copy=True), self.host_params)
+        self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01), compute_dtype=self.compute)
+        self.state = TrainState.create(params, self.fn.optimizer)
 
-    def token_losses(self, inputs: tuple[Any, ...]) -> Tensor:
-        from packedenc.train.losses import mlm_token_losses
+    def _loss(self, params: Any, batch: dict[str, Any]) -> Tensor:
+        from packedenc.train.losses import mlm_loss
 
-        ids, cu, max_seqlen, pos, tgt = inputs
-        # one differentiable cast shared by the encoder and the head (encode's compute_dtype would
-        # cast the encoder's leaves only)
-        p = self.params if self.compute is None else pe.tree_cast(self.params, self.compute)
-        h_TD = pe.encode(p, ids, cu, max_seqlen, backend=self.backend, checkpoint=self.checkpoint)
+        b = batch["text"]  # params: cast to the compute dtype by the step
+        h_TD = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, b.positions, backend=self.backend,
+                         checkpoint=self.checkpoint)
         # the library's MLM loss: head on the masked rows; ModernBERT's decoder + cross-entropy fused
         # (ops.linear_cross_entropy: no (M, V) logits kept, in fp32 or at all)
-        return mlm_token_losses(p, h_TD, pos, tgt, backend=self.backend)
+        return mlm_loss(params, h_TD, batch["pos"], batch["tgt"], backend=self.backend)
+
+    def prepare(self, b: TrainBatch) -> dict[str, Any]:
+        from packedenc.packing import Packed, positions_from_cu_seqlens
+
+        d = self.device
+        pos_T = positions_from_cu_seqlens(b.cu_seqlens, b.num_tokens)
+        text = Packed(b.ids.to(d), b.cu_seqlens.to(d), pos_T.to(d), b.max_seqlen)
+        return {"text": text, "pos": b.positions.to(d), "tgt": b.targets.to(d)}
+
+    def token_losses(self, inputs: dict[str, Any]) -> Tensor:
+        from packedenc.train.losses import mlm_token_losses
+
+        t = inputs["text"]
+        p = self.state.params if self.compute is None else pe.tree_cast(self.state.params, self.compute)
+        h_TD = pe.encode(p, t.ids, t.cu_seqlens, t.max_seqlen, t.positions, backend=self.backend)
+        return mlm_token_losses(p, h_TD, inputs["pos"], inputs["tgt"], backend=self.backend)
+
+    def run(self, inputs: dict[str, Any]) -> Tensor:
+        self.losses.append(self.fn.update_(self.state, inputs))
+        return self.losses[-1]
 
     def info(self) -> dict[str, Any]:
         ops = pe.get_ops(self.backend, self.device)
         return {**super().info(), "ops": ",".join(f"{op}={b}" for op, b in ops.chosen), "checkpoint": self.checkpoint}
 
     def close(self) -> None:
-        self.params = None
+        self.fn = self.state = None
         super().close()
 
 
-class TorchPackedTrain(PackedencTrain):
+class TorchPackedTrain(TrainSystem):
     """ModernBERT in plain torch (`baseline_modernbert.encode`: F.layer_norm, cuBLAS, RoPE tables,
-    torch's flash varlen attention and its backward) with a plain-torch MLM head; autograd only."""
+    torch's flash varlen attention and its backward) with a plain-torch MLM head; autograd, one
+    differentiable `tree_cast` a step, torch's fused AdamW."""
+
+    def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None) -> None:
+        super().__init__(device, compute_dtype)
+        self.name, self.host_params = name, host_params
+        self.params: Any = None
+        self.rope: Any = None
 
     def setup(self) -> None:
         from benchmarks import baseline_modernbert
 
-        super().setup()
+        self.params = _trainable(self.host_params, self.device)
+        self.opt = adamw(torch.utils._pytree.tree_leaves(self.params))
         with torch.no_grad():  # RoPE tables in the compute dtype, built once (not trained)
             dtype = self.compute or torch.float32
             self.rope = baseline_modernbert.prepare(pe.tree_cast(self.params, dtype)).rope
@@ -186,17 +217,17 @@ class TorchPackedTrain(PackedencTrain):
         w = p.embeddings.tok_embeddings.weight if p.decoder.weight is None else p.decoder.weight
         return F.cross_entropy(F.linear(a_MD, w, p.decoder.bias).float(), tgt, reduction="none")
 
-    def info(self) -> dict[str, Any]:
-        return {"precision": self.precision}
+    def prepare(self, b: TrainBatch) -> tuple[Any, ...]:
+        d = self.device
+        return b.ids.to(d), b.cu_seqlens.to(d), b.max_seqlen, b.positions.to(d), b.targets.to(d)
 
     def close(self) -> None:
-        self.rope = None
+        self.rope = self.params = None
         super().close()
 
 
 class GraphedStepTrain(PackedencTrain):
-    """`packedenc+graphs`: the same MLM step built with `packedenc.train.make_step` (packedenc's
-    AdamW, torch.optim.AdamW's math) and replayed by `packedenc.cudagraphs.graphed_step`: per
+    """`packedenc+graphs`: the `packedenc` step replayed by `packedenc.cudagraphs.graphed_step`: per
     bucket one CUDA graph for forward + backward and one for the update (on a CPU the same padded
     phases run eagerly). Each workload gets its own graphed step, budgeted to its largest batch,
     over the one training state. Recorded absent where packedenc has no graphed step."""
@@ -205,27 +236,11 @@ class GraphedStepTrain(PackedencTrain):
         super().__init__("packedenc+graphs", host_params, device, compute_dtype)
         try:
             from packedenc.cudagraphs import graphed_step  # noqa: F401 - is it there?
-            from packedenc.train import make_step  # noqa: F401
         except ImportError:
             self.absent = "packedenc has no graphed training step here (packedenc.cudagraphs.graphed_step)"
-        self.jstep = self.state = self.fn = None
+        self.jstep = None
         self._workload: str | None = None
         self.warmup_passes = 3  # graphed_step runs a bucket's first 2 uses eagerly, captures on the 3rd
-
-    def setup(self) -> None:
-        from packedenc.train import AdamW, TrainState, make_step
-
-        # fp32 master weights owned by the state, a copy: its in-place updates must not reach the host tree
-        self.params = torch.utils._pytree.tree_map(lambda t: t.detach().to(self.device, copy=True), self.host_params)
-        self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01), compute_dtype=self.compute)
-        self.state = TrainState.create(self.params, self.fn.optimizer)
-
-    def _loss(self, params: Any, batch: dict[str, Any]) -> Tensor:
-        from packedenc.train.losses import mlm_loss
-
-        b = batch["text"]  # params: cast to the compute dtype by the step
-        h_TD = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, b.positions)
-        return mlm_loss(params, h_TD, batch["pos"], batch["tgt"])
 
     def skip_reason(self, workload: Workload) -> str | None:
         # asked first for every workload, before the memory counters reset: where its graphs start
@@ -240,23 +255,11 @@ class GraphedStepTrain(PackedencTrain):
             self._workload = workload.name
         return None
 
-    def prepare(self, b: TrainBatch) -> dict[str, Any]:
-        from packedenc.packing import Packed, positions_from_cu_seqlens
-
-        d = self.device
-        pos_T = positions_from_cu_seqlens(b.cu_seqlens, b.num_tokens)
-        text = Packed(b.ids.to(d), b.cu_seqlens.to(d), pos_T.to(d), b.max_seqlen)
-        return {"text": text, "pos": b.positions.to(d), "tgt": b.targets.to(d)}
-
-    def token_losses(self, inputs: dict[str, Any]) -> Tensor:
-        t = inputs["text"]
-        return super().token_losses((t.ids, t.cu_seqlens, t.max_seqlen, inputs["pos"], inputs["tgt"]))
-
     def run(self, inputs: dict[str, Any]) -> Tensor:
         self.losses.append(self.jstep(inputs))
         return self.losses[-1]
 
     def close(self) -> None:
-        self.jstep = self.state = self.fn = None
+        self.jstep = None
         self._workload = None
         super().close()

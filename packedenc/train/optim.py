@@ -144,8 +144,9 @@ class Step:
         leaves, spec = pytree.tree_flatten(params)
         ts = [t for t in leaves if isinstance(t, Tensor)]
         if self.compute_dtype is not None:
-            work = [torch.empty_like(t, dtype=self.compute_dtype) for t in ts]
-            torch._foreach_copy_(work, [t.detach() for t in ts])  # one multi-tensor cast, outside autograd
+            work = _flat_like(ts, self.compute_dtype)
+            with torch.no_grad():
+                torch._foreach_copy_(work, ts)  # one multi-tensor cast, outside autograd
             it = iter(work)
             leaves = [next(it) if isinstance(t, Tensor) else t for t in leaves]
         xs = [t.detach().requires_grad_(True) if isinstance(t, Tensor) else t for t in leaves]
@@ -191,7 +192,7 @@ class Step:
         for b in micro:
             loss, gs = self.grads(state.params, b)
             if acc is None:
-                acc, total = [g.float() for g in gs], loss
+                acc, total = _widened(gs), loss
             else:
                 torch._foreach_add_(acc, gs)
                 total = total + loss
@@ -231,6 +232,24 @@ def make_step(loss_fn: LossFn, optimizer: AdamW, *, clip_norm: float | None = No
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
         raise ConfigError(f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
     return Step(loss_fn, optimizer, None if clip_norm is None else float(clip_norm), compute_dtype)
+
+
+def _widened(grads: list[Tensor]) -> list[Tensor]:
+    """fp32 gradients: the fp32 ones as they are; otherwise fp32 copies, views of one flat buffer
+    written by one multi-tensor copy (not a cast kernel and a tensor per leaf)."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return list(grads)
+    out = _flat_like(grads, torch.float32)
+    torch._foreach_copy_(out, grads)
+    return out
+
+
+def _flat_like(ts: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """Uninitialised tensors shaped like `ts`, in `dtype`: views of one flat buffer (one allocation
+    rather than one per leaf; the host time of an eager step)."""
+    sizes = [t.numel() for t in ts]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=ts[0].device)
+    return [v.view(t.shape) for v, t in zip(flat.split(sizes), ts)]
 
 
 def _all_reduce_mean(grads: list[Tensor]) -> None:

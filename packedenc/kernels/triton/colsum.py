@@ -39,13 +39,14 @@ def _colsum_kernel(PART, OUT, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr
     tl.store(OUT + col, tl.sum(acc, axis=0), mask=cmask)
 
 
-def colsum(part: Tensor) -> Tensor:
-    """(P, *rest) contiguous fp32 -> (*rest) fp32: the sum over the first dim (zeros when P = 0)."""
+def colsum(part: Tensor, tile: tuple[int, int, int] | None = None) -> Tensor:
+    """(P, *rest) contiguous fp32 -> (*rest) fp32: the sum over the first dim (zeros when P = 0).
+    `tile` (BLOCK_P, BLOCK_C, num_warps) overrides TILE (benchmarks.norm_probe's sweep)."""
     P, rest = part.shape[0], part.shape[1:]
     C = math.prod(rest)
     out = torch.empty(rest, dtype=torch.float32, device=part.device)
     if P == 0 or C == 0:
         return out.zero_()
-    BP, BC, warps = TILE
+    BP, BC, warps = tile or TILE
     launch(_colsum_kernel, (cdiv(C, BC),), part, out, P, C, BLOCK_P=BP, BLOCK_C=BC, num_warps=warps)
     return out
