@@ -213,28 +213,36 @@ def ln_fwd(
 # Programs of the backward: many short ones, so that a partly filled last wave costs little. At
 # D = 768 the kernel takes 140 registers a thread (2 warps; ptxas for sm_90), so an SM holds 7
 # programs. 1024 programs of 1-row tiles were the best of 12 (rows, warps, programs) settings at
-# 4k, 16k and 64k tokens (norm_probe_h200.json: 8192 programs tie at 64k and are 20-28% slower
-# below), and their (P, D) fp32 partials stay small (3 MB at D = 768) for the sum that follows.
+# 64k tokens (norm_probe_h200.json: 8192 programs tie there and are 20-28% slower below), and
+# their (P, D) fp32 partials stay small (3 MB at D = 768) for the sum that follows. Below
+# SHORT_PACK tokens (training batches of a few thousand) 2-row tiles over 512 programs: half the
+# partial rows to sum, 13.4 vs 17.0 us at 4k tokens and 41.5 vs 44.2 at 16k (norm_probe_h200.json).
 BWD_PROGRAMS = 1024
+SHORT_PACK, SHORT_PROGRAMS, SHORT_ROWS = 32768, 512, 2
 
 
 def ln_bwd(
     dy: Tensor, x: Tensor, weight: Tensor, eps: float,
     dsum: Tensor | None = None, ids: Tensor | None = None, need_db: bool = True, need_dxb: bool = False,
-    programs: int = BWD_PROGRAMS, tile: tuple[int, int] | None = None,
+    programs: int | None = None, tile: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the backward. Return (dx (T, D) in x's dtype, sums (k, D) fp32): the rows of `sums`
     are dweight, then dbias if `need_db`, then d x_bias (column sums of dx) if `need_dxb`. `programs`
-    caps the programs (tests use few, so that one program owns several tiles); `tile` (rows per
-    tile, warps) overrides the default, as in `ln_fwd`."""
+    caps the programs (default by T, see BWD_PROGRAMS; tests use few, so that one program owns
+    several tiles); `tile` (rows per tile, warps) overrides the default, as in `ln_fwd`."""
     D = x.shape[-1]
     dy2, x2 = rows(dy), rows(x)
     T = dy2.shape[0]
     dx = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    # One row per tile: the best backward tile measured (norm_probe_h200.json).
+    # One row per tile (two below SHORT_PACK): the best backward tiles measured (norm_probe_h200.json).
     BLOCK_T, BLOCK_D, num_warps = row_tile(D, target=1024)
+    short = bool(T < SHORT_PACK)  # bool(): a symbolic T (dynamic shapes) guards on the comparison
     if tile is not None:
         BLOCK_T, num_warps = tile
+    elif short:
+        BLOCK_T *= SHORT_ROWS
+    if programs is None:
+        programs = SHORT_PROGRAMS if short else BWD_PROGRAMS
     n_tiles = cdiv(T, BLOCK_T)
     tiles_per_prog = max(1, cdiv(n_tiles, programs))  # fixed by T alone: deterministic sums
     P = max(1, cdiv(n_tiles, tiles_per_prog))
