@@ -135,6 +135,28 @@ def test_compute_dtype_is_casting_inside_the_loss():
         make_step(classify_loss, AdamW(), compute_dtype=torch.int32)
 
 
+def test_expanded_gradients_reach_the_fused_update_as_plain_tensors():
+    """`b.sum()` has an expanded (stride-0) gradient; the fused AdamW needs contiguous ones."""
+    params = {"w": torch.randn(3, 5), "b": torch.randn(5)}
+    x = torch.randn(4, 3)
+
+    def loss(p, x):
+        return (x @ p["w"]).square().sum() + p["b"].sum()
+
+    step = make_step(loss, AdamW(lr=0.1), clip_norm=1.0)
+    state = TrainState.create({k: v.clone() for k, v in params.items()}, step.optimizer)
+    leaves = [v.clone().requires_grad_(True) for v in params.values()]
+    opt = torch.optim.AdamW(leaves, lr=0.1)
+    for _ in range(3):
+        step.update_(state, [x, x])  # two micro-batches: the mean of equal gradients
+        opt.zero_grad()
+        loss(dict(zip(params, leaves)), x).backward()
+        torch.nn.utils.clip_grad_norm_(leaves, 1.0)
+        opt.step()
+    for k, ref in zip(params, leaves):
+        torch.testing.assert_close(state.params[k], ref.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_bucket_selection_and_overflow_fallback():
     params, g = _params(), torch.Generator().manual_seed(4)
     step = make_step(classify_loss, AdamW(lr=1e-2))

@@ -235,9 +235,10 @@ def make_step(loss_fn: LossFn, optimizer: AdamW, *, clip_norm: float | None = No
 
 
 def _widened(grads: list[Tensor]) -> list[Tensor]:
-    """fp32 gradients: the fp32 ones as they are; otherwise fp32 copies, views of one flat buffer
-    written by one multi-tensor copy (not a cast kernel and a tensor per leaf)."""
-    if all(g.dtype == torch.float32 for g in grads):
+    """fp32 contiguous gradients (what the fused AdamW takes): those that already are, as they are;
+    otherwise fp32 copies, views of one flat buffer written by one multi-tensor copy (not a cast
+    kernel and a tensor per leaf). autograd.grad may return a transposed gradient."""
+    if all(g.dtype == torch.float32 and g.is_contiguous() for g in grads):
         return list(grads)
     out = _flat_like(grads, torch.float32)
     torch._foreach_copy_(out, grads)
