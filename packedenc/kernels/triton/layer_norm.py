@@ -142,7 +142,9 @@ def _add_ln_backward(ctx, dy, dsum):
                                                       ctx.xb_dtype is not None)
         ds = ds.view_as(s)
         dw, db, dxb = _split(sums, weight, ctx.has_bias, ctx.xb_dtype)
-    return ds.to(ctx.dtypes[0]), ds.to(ctx.dtypes[1]), dw, db, None, dxb
+    # a dtype compare, not a no-op `.to` per input: two calls per layer of an eager training step
+    dx, dr = (ds if ds.dtype == dt else ds.to(dt) for dt in ctx.dtypes)
+    return dx, dr, dw, db, None, dxb
 
 
 def _embed_ln_setup(ctx, inputs, output):
