@@ -121,9 +121,18 @@ def _float_leaves(params: Any) -> list[Tensor]:
 def clip_by_global_norm(grads: list[Tensor], max_norm: float) -> Tensor:
     """Scale `grads` in place so their global L2 norm is at most `max_norm`; return the norm
     before clipping (a device scalar). torch.nn.utils.clip_grad_norm_'s rule, without a sync."""
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
-    torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+    total = _global_norm(grads)
+    torch._foreach_mul_(grads, _clip_coef(total, max_norm))
     return total
+
+
+def _global_norm(grads: list[Tensor]) -> Tensor:
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float())
+
+
+def _clip_coef(norm: Tensor, max_norm: float) -> Tensor:
+    """clip_grad_norm_'s rule: the factor that brings a global norm down to at most `max_norm`."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +175,10 @@ class Step:
         scaled gradients, before clipping). The scale and the clip coefficient are not applied by
         passes of their own: the fused update divides each gradient by their one device divisor."""
         _all_reduce_mean(grads)
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) * scale
+        norm = _global_norm(grads) * scale
         factor = None if isinstance(scale, float) and scale == 1.0 else scale
         if self.clip_norm is not None:
-            coef = (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s rule
+            coef = _clip_coef(norm, self.clip_norm)
             factor = coef if factor is None else coef * factor
         if isinstance(factor, Tensor):
             divisor = torch.reciprocal(factor.float())

@@ -10,9 +10,9 @@ without it) is added to x in fp32 first, inside the same rounding. With ids it g
 from the embedding table instead.
 Backward `_ln_bwd_kernel`: P <= BWD_PROGRAMS programs each own a fixed contiguous range of row tiles,
 recompute the statistics, write dx and one fp32 partial row each of dweight, dbias and (with an
-x_bias) d x_bias = column sums of the fp32 dx, into one (P, k, D) buffer; `colsum` sums
-its P rows (`colsum.py`; one cast then gives all k). The partition and the order of every sum depend only on T,
-so the backward is deterministic (no atomics).
+x_bias) d x_bias = column sums of the fp32 dx, into one (P, k, D) buffer; `colsum.py` sums its
+P rows (one cast then gives all k). The partition and the order of every sum depend only on T, so
+the backward is deterministic (no atomics).
 
 The registered ops and the Ops-table entries that launch these are in `layer_norm.py`.
 """
