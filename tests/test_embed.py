@@ -69,7 +69,7 @@ def test_chunks_give_every_text_its_own_tokens_once(tiny, chunk_texts):
         for j, i in enumerate(idx):
             torch.testing.assert_close(b.ids[b.cu_seqlens[j]:b.cu_seqlens[j + 1]], alone[i], atol=0, rtol=0)
             assert torch.equal(b.positions[b.cu_seqlens[j]:b.cu_seqlens[j + 1]], torch.arange(len(alone[i])))
-        seen += idx
+        seen += idx.tolist()
     assert sorted(seen) == list(range(len(texts)))
     long = [i for i, x in enumerate(tok.encode(texts)[0]) if len(x) > 40]
     assert sorted(cut) == long and long[-2:] == [30, 31]  # caller indices, gathered over every chunk

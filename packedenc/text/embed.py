@@ -193,7 +193,7 @@ def _encoder(model: SentenceModel, backend: str, max_tokens: int, graphs: bool):
     return replayed
 
 
-def _read_back(idx: list[int], f: dict[str, Any], multi_vector: bool) -> tuple:
+def _read_back(idx: np.ndarray, f: dict[str, Any], multi_vector: bool) -> tuple:
     """Start copying a batch's results to the host (pinned, asynchronous on CUDA)."""
     if "sentence_embedding" in f and not multi_vector:
         vals, cu = f["sentence_embedding"].float(), None
@@ -216,10 +216,12 @@ def _store(pending: tuple, out: Tensor | None, per_text: list, n: int) -> Tensor
     if cu is None:
         if out is None:
             out = torch.empty(n, vals.shape[1], dtype=torch.float32)
-        out[torch.as_tensor(idx)] = vals
+        # numpy's row scatter by the index array as it comes: half the time of index_put with an
+        # index tensor built from a list (4,096 x 384 rows), and no intra-op thread pool
+        out.numpy()[idx] = vals.numpy()
         return out
     bounds = cu.tolist()
-    for j, i in enumerate(idx):
+    for j, i in enumerate(idx.tolist()):
         per_text[i] = vals[bounds[j]:bounds[j + 1]]
     return out
 
@@ -260,8 +262,8 @@ def _override(model: SentenceModel, pooling: str | None, normalize: bool | None)
 def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: str | None, query: bool,
              max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None],
              *, chunk_texts: int = _CHUNK_TEXTS, stats: EmbedStats | None = None
-             ) -> Iterator[tuple[list[int], Packed, int]]:
-    """Yield (caller indices, packed batch, prompt length), tokenizing the next chunk of
+             ) -> Iterator[tuple[np.ndarray, Packed, int]]:
+    """Yield (caller indices (B,) int64, packed batch, prompt length), tokenizing the next chunk of
     `chunk_texts` texts on a background thread while the caller runs the device on the current one.
     `stats` gets the thread's tokenize and pack time and the caller's wait for it."""
     assert chunk_texts > 0, chunk_texts
@@ -285,7 +287,7 @@ def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: st
                 caller_N, positions_T = chunk_N[by_len_N], ids.positions_T()
                 # the budget cuts the length-sorted chunk into runs: each batch is a slice of `ids`
                 for a, z in ids.budget_runs(max_tokens):
-                    item = (caller_N[a:z].tolist(), ids.packed(a, z, positions_T), plen)
+                    item = (caller_N[a:z], ids.packed(a, z, positions_T), plen)
                     _tally(stats, "pack_s", t1)
                     while not stop.is_set():
                         try:
