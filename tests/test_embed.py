@@ -54,7 +54,7 @@ def batches(model, texts, max_tokens, chunk_texts, max_length=None):
     return out, cut
 
 
-@pytest.mark.parametrize("chunk_texts", [1, 7, 4096])  # one text per chunk, several ragged chunks, one chunk
+@pytest.mark.parametrize("chunk_texts", [1, 7, 4096])  # one text per chunk, ragged chunks, the character budget alone
 def test_chunks_give_every_text_its_own_tokens_once(tiny, chunk_texts):
     texts = [t for t in sentences() if len(t) < 150][:30] + ["word " * 100, "word " * 70]  # the last two: cut
     texts = texts[::-1][:15] + texts[15:]
@@ -73,6 +73,17 @@ def test_chunks_give_every_text_its_own_tokens_once(tiny, chunk_texts):
     assert sorted(seen) == list(range(len(texts)))
     long = [i for i, x in enumerate(tok.encode(texts)[0]) if len(x) > 40]
     assert sorted(cut) == long and long[-2:] == [30, 31]  # caller indices, gathered over every chunk
+
+
+def test_chunks_hold_about_one_batch_of_text_and_the_first_a_quarter():
+    import numpy as np
+
+    chars = np.array([10] * 100 + [1000, 3])  # max_tokens 100: chunks of ~400 characters, the first 100
+    chunks = embed_mod._chunks(chars, 100, chunk_texts=8192)
+    assert [c.tolist() for c in chunks] == [[100], list(range(40)), list(range(40, 80)), list(range(80, 100)) + [101]]
+    capped = embed_mod._chunks(chars, 100, chunk_texts=16)
+    assert max(map(len, capped)) == 16 and sorted(np.concatenate(capped).tolist()) == list(range(102))
+    assert embed_mod._chunks(np.zeros(0, dtype=np.int64), 100, 8192) == []
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

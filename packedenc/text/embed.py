@@ -36,9 +36,13 @@ from packedenc.text.tokenizer import check_texts, check_unicode, encode_texts, w
 
 __all__ = ["embed", "EmbedStats", "TokenEmbeddings", "tokenize_for"]
 
-# Texts tokenized per background step: big enough for the tokenizers library's threads, small
-# enough that the first batch reaches the device soon.
-_CHUNK_TEXTS = 4096
+# What the background thread tokenizes per step. A chunk holds about one batch's worth of text
+# (max_tokens x _CHARS_PER_TOKEN characters: English runs 4-5 characters a WordPiece / BPE token),
+# so the device works on batch k while chunk k + 1 is tokenized; the first chunk holds a quarter of
+# that, so the device starts early. Chunks of a fixed number of texts left 4,000 passages in one
+# chunk, tokenized whole before the first batch ran. _CHUNK_TEXTS caps a chunk of very short texts.
+_CHARS_PER_TOKEN = 4
+_CHUNK_TEXTS = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,17 +263,34 @@ def _override(model: SentenceModel, pooling: str | None, normalize: bool | None)
     return tuple(modules)
 
 
+def _chunks(chars_N: np.ndarray, max_tokens: int, chunk_texts: int) -> list[np.ndarray]:
+    """Caller indices, longest text first (ties in the caller's order), cut into tokenization
+    chunks: about max_tokens x _CHARS_PER_TOKEN characters each, the first a quarter of that, at
+    most `chunk_texts` texts, at least one."""
+    order_N = np.argsort(-chars_N, kind="stable")
+    cum_N = np.cumsum(chars_N[order_N])
+    budget = max_tokens * _CHARS_PER_TOKEN
+    chunks, a = [], 0
+    while a < len(order_N):
+        done = int(cum_N[a - 1]) if a else 0
+        z = int(np.searchsorted(cum_N, done + (budget // 4 if a == 0 else budget), side="right"))
+        z = min(max(z, a + 1), a + chunk_texts)
+        chunks.append(order_N[a:z])
+        a = z
+    return chunks
+
+
 def _batches(model: SentenceModel, texts: list[str], max_tokens: int, prompt: str | None, query: bool,
              max_length: int | None, truncate: bool, cut_total: list[int], limit_used: list[int | None],
              *, chunk_texts: int = _CHUNK_TEXTS, stats: EmbedStats | None = None
              ) -> Iterator[tuple[np.ndarray, Packed, int]]:
-    """Yield (caller indices (B,) int64, packed batch, prompt length), tokenizing the next chunk of
-    `chunk_texts` texts on a background thread while the caller runs the device on the current one.
-    `stats` gets the thread's tokenize and pack time and the caller's wait for it."""
+    """Yield (caller indices (B,) int64, packed batch, prompt length), tokenizing the next chunk
+    (`_chunks`: about one batch of text, at most `chunk_texts` texts) on a background thread while
+    the caller runs the device on the current one. `stats` gets the thread's tokenize and pack
+    time and the caller's wait for it."""
     assert chunk_texts > 0, chunk_texts
     chars_N = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-    order_N = np.argsort(-chars_N, kind="stable")  # longest first, ties in the caller's order
-    chunks = [order_N[i:i + chunk_texts] for i in range(0, len(order_N), chunk_texts)]
+    chunks = _chunks(chars_N, max_tokens, chunk_texts)
     q: queue.Queue = queue.Queue(maxsize=8)
     stop = threading.Event()
 
