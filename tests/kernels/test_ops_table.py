@@ -287,8 +287,9 @@ def test_a_composite_op_ends_its_chain_with_its_parts_from_the_same_table():
     from packedenc import kernels
 
     usable = {"triton", "flash", "reference"}.__contains__
+    kernels._load_backend("triton")  # its registrations, whichever tests ran before this one
     # auto: the fused row's record, then the parts for the calls it does not take
-    assert kernels.choose("rotary_attention", "auto", "cuda", usable) == "triton>rotary+varlen_attention"
+    assert kernels.choose("rotary_attention", "auto", "cuda", usable) == "triton[uncaptured]>rotary+varlen_attention"
     assert kernels.choose("rotary_attention", "triton", "cuda", usable) == "triton>rotary+varlen_attention"
     assert kernels.choose("rotary_attention", "reference", "cuda", usable) == "rotary+varlen_attention"
     # the parts are the table's own entries: a call the fused kernel does not take reaches them
@@ -302,6 +303,22 @@ def test_a_composite_op_ends_its_chain_with_its_parts_from_the_same_table():
     out = routed(qkv, torch.arange(5), 10.0, torch.tensor([0, 5], dtype=torch.int32), 5, window=(2, 2),
                  overwrite_input=True)
     assert calls == [("rotary", 10.0, True, True), ("attn", 5, (2, 2), {})] and out.shape == (5, 2, 4)
+
+
+def test_the_fused_rotary_attention_stays_out_of_cuda_graph_capture(monkeypatch):
+    """auto's rotary_attention row saves host time only: a call being captured into a CUDA graph
+    goes to the parts (rotary, then varlen_attention), which cost the device less."""
+    from packedenc.kernels import auto
+
+    class OnCuda(torch.Tensor):  # a host tensor that says it is on a GPU: the rule reads host values only
+        is_cuda = True
+
+    x = torch.Tensor._make_subclass(OnCuda, torch.zeros(2))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert auto.uncaptured(torch.zeros(2)) and auto.uncaptured(x) and auto.uncaptured(1.0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not auto.uncaptured(x) and auto.uncaptured(torch.zeros(2))  # a CPU tensor is never captured
+    assert [r.shape for r in auto.rows("rotary_attention")] == ["uncaptured"]
 
 
 def test_unfused_runs_a_composite_as_its_parts():
@@ -371,7 +388,7 @@ def test_eager_inference_path_on_the_interpreter(family, monkeypatch):
             monkeypatch.setattr(mod, "eager_cuda", lambda *t: True)
     usable = {"triton", "reference"}.__contains__
     chosen = tuple((op, kernels.choose(op, "auto", "cuda", usable)) for op in kernels.OP_NAMES)
-    assert dict(chosen)["rotary_attention"] == "triton>rotary+varlen_attention"
+    assert dict(chosen)["rotary_attention"] == "triton[uncaptured]>rotary+varlen_attention"
     ops = kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
     taken = [0, 0]
     can = LK._can_overwrite
