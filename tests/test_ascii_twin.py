@@ -75,3 +75,63 @@ def test_unicode_forms_go_on_ascii(form):
     assert _ids(twin.encode_batch(texts)) == _ids(base.encode_batch(texts))
     base.normalizer = getattr(normalizers, form)()
     assert ascii_twin(base).normalizer is None
+
+
+# ---- the lean twin: no cleaning, no post-processor, no truncation inside the library ------------
+
+
+def _clean(texts):
+    """The texts without the control characters a lean twin refuses (tab, newline, return stay)."""
+    return ["".join(c for c in t if c in "\t\n\r" or 32 <= ord(c) < 127) for t in texts]
+
+
+def test_lean_texts_are_ascii_without_cleaned_controls():
+    from packedenc.text.ascii_twin import lean_texts
+
+    texts = ["plain", "tab\tnew\nline\rreturn", "", "nul\x00", "bell\x07", "vt\x0b", "ff\x0c", "us\x1f",
+             "del\x7f", "café", "ok again"]
+    assert lean_texts(texts).tolist() == [True, True, True] + [False] * 7 + [True]
+    assert lean_texts([]).tolist() == [] and lean_texts(["é"]).tolist() == [False]
+
+
+@pytest.mark.parametrize("max_length", [None, 3, 8, 32, 256])
+def test_minilm_lean_encoding_equals_the_original(max_length):
+    """ids and the truncated indices, against the original tokenizer (not the twin), on fuzzed
+    texts with controls (the full path) and without (the lean one), mixed in one call."""
+    tok = pe.tokenizer(gt.get_model_path())
+    lean = tok._lean()
+    assert lean is not None and (lean.prefix, lean.suffix) == ((101,), (102,))
+    texts = _clean(_ascii_texts(400, seed=5)) + _ascii_texts(100, seed=6) + ["Ça va?", "naïve\tcafé", "日本"]
+    texts = [t for t in texts if t.strip()]  # the library gives no ids for blank texts either way
+    base, _ = tok._truncating(max_length)
+    enc = base.encode_batch(texts)
+    ids, cut = tok.encode_ids(texts, max_length)
+    assert ids.tolist() == [e.ids for e in enc]
+    assert cut == [i for i, e in enumerate(enc) if e.overflowing]
+    every_lean = [t for t in texts if t.isascii() and t == _clean([t])[0]]
+    ids, _ = tok.encode_ids(every_lean, max_length)
+    assert ids.tolist() == [e.ids for e in base.encode_batch(every_lean)]
+
+
+def test_lean_twin_needs_bert_pieces_and_fixed_specials():
+    from tokenizers import normalizers, pre_tokenizers, processors
+
+    from packedenc.text.ascii_twin import lean_twin
+
+    base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
+    base.no_truncation()
+    base.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP] [SEP]",
+                                                        special_tokens=[("[CLS]", 101), ("[SEP]", 102)])
+    lean = lean_twin(base)
+    assert (lean.prefix, lean.suffix) == ((101,), (102, 102))
+    texts = _clean(_ascii_texts(200, seed=8))
+    want = [e.ids for e in base.encode_batch(texts)]
+    got, _ = lean.encode_ids(texts, None)
+    assert got.tolist() == want
+    base.normalizer = normalizers.Sequence([normalizers.Lowercase(), base.normalizer])  # do_lower_case
+    assert lean_twin(base) is not None
+    base.normalizer = normalizers.Sequence([normalizers.Strip(), normalizers.BertNormalizer()])
+    assert lean_twin(base) is None  # another normalizer: stripping may see what cleaning changed
+    base.normalizer = normalizers.BertNormalizer()
+    base.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert lean_twin(base) is None  # not the BERT split: tabs and newlines may matter

@@ -67,3 +67,21 @@ def test_encode_ids_reports_exactly_the_cut_texts():
     assert cut == [2]  # exactly at the limit (6 tokens) is not cut
     assert ids.tolist() == [x[:5] + [102] if len(x) > 6 else x for x in tok.encode(texts)[0]]
     assert tok.encode(texts, 6) == (ids.tolist(), [2])
+
+
+@pytest.mark.parametrize("keep", [None, 0, 1, 5, 39, 1000])
+def test_wrapped_adds_specials_and_cuts_like_the_list_code(keep):
+    ids = ragged(4, n=50) + [[]]  # an empty text too: it gets the specials alone
+    for prefix, suffix in (([101], [102]), ([], [2]), ([0, 1], []), ([], [])):
+        got, cut = TokenIds.from_lists(ids).wrapped(prefix, suffix, keep)
+        assert got.tolist() == [prefix + (x if keep is None else x[:keep]) + suffix for x in ids]
+        assert cut.tolist() == [i for i, x in enumerate(ids) if keep is not None and len(x) > keep]
+
+
+def test_interleave_puts_each_part_back_at_its_indices():
+    ids = ragged(5, n=40)
+    idx = np.random.default_rng(0).permutation(40)
+    a, b = idx[:13], idx[13:]
+    parts = ((a, TokenIds.from_lists([ids[i] for i in a])), (b, TokenIds.from_lists([ids[i] for i in b])))
+    assert TokenIds.interleave(parts, 40).tolist() == ids
+    assert TokenIds.interleave(((np.arange(0), TokenIds.from_lists([])),), 0).tolist() == []

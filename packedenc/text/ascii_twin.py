@@ -11,13 +11,25 @@ tokens, post-processor, truncation) with those two swapped, and `encode_batch` s
 the ASCII texts (`str.isascii` reads a flag CPython keeps: no scan), the others to the
 original, and returns the encodings in input order. Unicode normalization forms (NFC, NFKC, ...:
 DeBERTa's and BPE models' tokenizers) are the identity on ASCII, and the twin drops them too.
+
+`lean_twin` goes further for BERT-style tokenizers (a BertNormalizer, alone or with Lowercase,
+and the BertPreTokenizer) on ASCII texts with no control character other than tab, newline and
+return (`lean_texts` finds them): there cleaning removes nothing, and turning tab / newline /
+return into spaces changes no piece (the split drops all four alike), so lowercasing is the whole
+normalizer. It also leaves out the post-processor and the truncation: the caller adds the special
+tokens the post-processor puts around every text and cuts to the limit on flat arrays
+(`TokenIds.wrapped`), cheaper than the library's per-text merges and overflow pieces
+(benchmarks/NOTES.md, "lean twin").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
-__all__ = ["ascii_twin", "encode_batch"]
+import numpy as np
+
+__all__ = ["ascii_twin", "encode_batch", "Lean", "lean_twin", "lean_texts"]
 
 # BertNormalizer's clean_text on ASCII: these go (Cc other than \t \n \r), then \t \n \r -> " "
 _CONTROL = "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
@@ -83,3 +95,83 @@ def encode_batch(backend: Any, twin: Any | None, texts: Sequence[str]) -> list[A
     fast = iter(_encode(twin, [t for t, f in zip(texts, flags) if f]))
     slow = iter(_encode(backend, [t for t, f in zip(texts, flags) if not f]))
     return [next(fast) if f else next(slow) for f in flags]
+
+
+# ---- the lean twin ---------------------------------------------------------------------------
+
+# The ASCII characters whose presence keeps a text off the lean twin: the controls BertNormalizer's
+# cleaning removes (tab, newline and return stay: they split pieces like a space)
+_CONTROLS = np.zeros(256, dtype=bool)
+_CONTROLS[[*range(0, 9), 11, 12, *range(14, 32), 127]] = True
+_PROBES = ("a", "hello world", "x.", "[CLS] z")  # texts whose full encodings show the specials' places
+
+
+@dataclasses.dataclass(frozen=True)
+class Lean:
+    """A BERT-style tokenizer's lean twin: `backend` gives a text's ids without special tokens and
+    uncut; the full encoding is `prefix + ids[:limit - len(prefix) - len(suffix)] + suffix`."""
+
+    backend: Any = dataclasses.field(repr=False)
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    def takes(self, max_length: int | None) -> bool:
+        """Whether a limit leaves room for text between the special tokens."""
+        return max_length is None or max_length > len(self.prefix) + len(self.suffix)
+
+    def encode_ids(self, texts: list[str], max_length: int | None) -> tuple[Any, np.ndarray]:
+        """(`TokenIds` of the full encodings, (C,) indices of the texts cut to `max_length`) for
+        texts `lean_texts` accepts."""
+        from packedenc.text.token_ids import TokenIds
+
+        bare = TokenIds.from_encodings(_encode(self.backend, texts))
+        keep = None if max_length is None else max_length - len(self.prefix) - len(self.suffix)
+        return bare.wrapped(self.prefix, self.suffix, keep)
+
+
+def lean_twin(backend) -> Lean | None:
+    """The lean twin of a `tokenizers.Tokenizer` (padding and truncation off), or None where the
+    reduction is not exact: another normalizer or pre-tokenizer, or a post-processor that does not
+    put the same ids before and after every text."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as _Tok
+
+    n = backend.normalizer
+    parts = list(n) if isinstance(n, normalizers.Sequence) else [n]
+    if not (isinstance(backend.pre_tokenizer, pre_tokenizers.BertPreTokenizer)
+            and any(isinstance(p, normalizers.BertNormalizer) for p in parts)
+            and all(isinstance(p, (normalizers.BertNormalizer, normalizers.Lowercase)) for p in parts)):
+        return None
+    lower = any(isinstance(p, normalizers.Lowercase) or p.lowercase for p in parts)
+    lean = _Tok.from_str(backend.to_str())
+    lean.normalizer = normalizers.Lowercase() if lower else None
+    lean.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="removed", invert=True)
+    lean.post_processor = None
+    lean.no_truncation()
+    lean.no_padding()
+    around = set()
+    for probe in _PROBES:
+        full, bare = backend.encode(probe).ids, lean.encode(probe).ids
+        at = [k for k in range(len(full) - len(bare) + 1) if full[k:k + len(bare)] == bare]
+        if not at:
+            return None
+        around.add((tuple(full[:at[0]]), tuple(full[at[0] + len(bare):])))
+    if len(around) != 1:
+        return None
+    prefix, suffix = around.pop()
+    return Lean(lean, prefix, suffix)
+
+
+def lean_texts(texts: Sequence[str]) -> np.ndarray:
+    """(N,) bool: the texts a lean twin takes (ASCII, no control character but tab / newline / return)."""
+    ok = np.fromiter(map(str.isascii, texts), dtype=bool, count=len(texts))
+    idx = np.flatnonzero(ok)
+    if idx.size == 0:
+        return ok
+    picked = texts if idx.size == len(texts) else [texts[i] for i in idx.tolist()]
+    bad = _CONTROLS[np.frombuffer("".join(picked).encode("ascii"), dtype=np.uint8)]
+    if bad.any():
+        ends = np.cumsum(np.fromiter(map(len, picked), dtype=np.int64, count=len(picked)))
+        seen = np.concatenate(([0], np.cumsum(bad)))
+        ok[idx[seen[ends] != seen[np.concatenate(([0], ends[:-1]))]]] = False
+    return ok

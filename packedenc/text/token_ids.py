@@ -60,11 +60,45 @@ class TokenIds:
     def __len__(self) -> int:
         return len(self.cu_N1) - 1
 
+    @staticmethod
+    def interleave(parts: Sequence[tuple[np.ndarray, "TokenIds"]], n: int) -> "TokenIds":
+        """N texts from parts (caller indices (B,), their ids): text idx[b] is part text b. Every
+        index 0..n-1 appears in exactly one part."""
+        lengths_N = np.zeros(n, dtype=np.int64)
+        for idx, t in parts:
+            lengths_N[idx] = t.lengths_N
+        out = TokenIds.from_lengths(np.empty(int(lengths_N.sum()), dtype=np.int64), lengths_N)
+        for idx, t in parts:
+            out.ids_T[np.repeat(out.cu_N1[idx], t.lengths_N) + t.positions_T()] = t.ids_T
+        return out
+
+    def wrapped(self, prefix: Sequence[int], suffix: Sequence[int], keep: int | None = None
+                ) -> tuple["TokenIds", np.ndarray]:
+        """`prefix + x[:keep] + suffix` for every text (all of x when keep is None): a
+        post-processor's special tokens and right truncation. Return: (the ids, (C,) indices of
+        the texts that lost ids)."""
+        lengths_N = self.lengths_N
+        kept_N = lengths_N if keep is None else np.minimum(lengths_N, keep)
+        P, S, N = len(prefix), len(suffix), len(self)
+        out = TokenIds.from_lengths(np.empty(int(kept_N.sum()) + (P + S) * N, dtype=np.int64), kept_N + P + S)
+        start_N = out.cu_N1[:-1]
+        if P:
+            out.ids_T[(start_N[:, None] + np.arange(P)).ravel()] = np.tile(np.asarray(prefix, dtype=np.int64), N)
+        if S:
+            out.ids_T[(start_N[:, None] + P + kept_N[:, None] + np.arange(S)).ravel()] = np.tile(
+                np.asarray(suffix, dtype=np.int64), N)
+        kept_T = self.ids_T if keep is None else self.ids_T[self.positions_T() < np.repeat(kept_N, lengths_N)]
+        first_N = np.cumsum(kept_N) - kept_N  # each text's first kept id in kept_T
+        out.ids_T[np.repeat(start_N + P - first_N, kept_N) + np.arange(len(kept_T))] = kept_T
+        return out, np.flatnonzero(lengths_N > kept_N)
+
     @property
     def lengths_N(self) -> np.ndarray:
         return np.diff(self.cu_N1)
 
     def tolist(self) -> list[list[int]]:
+        if len(self) == 0:  # np.split of an empty array gives one empty piece, not none
+            return []
         return [x.tolist() for x in np.split(self.ids_T, self.cu_N1[1:-1])]
 
     def positions_T(self) -> np.ndarray:

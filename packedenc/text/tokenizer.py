@@ -30,7 +30,7 @@ import torch
 
 from packedenc.errors import CheckpointError, InputError, InputTypeError
 from packedenc.packing import Packed
-from packedenc.text.ascii_twin import ascii_twin, encode_batch
+from packedenc.text.ascii_twin import Lean, ascii_twin, encode_batch, lean_texts, lean_twin
 from packedenc.text.token_ids import TokenIds
 
 __all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
@@ -89,8 +89,35 @@ class Tokenizer:
         ids, cut = self.encode_ids(texts, max_length)
         return ids.tolist(), cut
 
+    def _lean(self) -> Lean | None:
+        """The backend's lean twin (`ascii_twin.lean_twin`) or None; built once, thread-safe."""
+        with self._lock:
+            if "lean" not in self._cache:
+                self._cache["lean"] = lean_twin(self.backend)
+            return self._cache["lean"]
+
     def encode_ids(self, texts: Sequence[str], max_length: int | None = None) -> tuple[TokenIds, list[int]]:
-        """`encode` as flat host arrays (`TokenIds`): what `embed` and `pack_texts` use."""
+        """`encode` as flat host arrays (`TokenIds`): what `embed` and `pack_texts` use. The texts
+        a lean twin takes go through it (the special tokens added and the cut made here), the
+        others through the full tokenizer; the ids are the same either way."""
+        lean = self._lean()
+        if lean is None or not lean.takes(max_length):
+            return self._encode_ids(texts, max_length)
+        fast_N = lean_texts(texts)
+        fi = np.flatnonzero(fast_N)
+        if fi.size == 0:
+            return self._encode_ids(texts, max_length)
+        every = fi.size == len(texts)
+        ids, cut = lean.encode_ids(list(texts) if every else [texts[i] for i in fi.tolist()], max_length)
+        if every:
+            return ids, cut.tolist()
+        si = np.flatnonzero(~fast_N)
+        rest, rest_cut = self._encode_ids([texts[i] for i in si.tolist()], max_length)
+        return (TokenIds.interleave(((fi, ids), (si, rest)), len(texts)),
+                sorted(fi[cut].tolist() + si[rest_cut].tolist()))
+
+    def _encode_ids(self, texts: Sequence[str], max_length: int | None) -> tuple[TokenIds, list[int]]:
+        """`encode_ids` through the full tokenizer (or its ASCII twin)."""
         enc = encode_batch(*self._truncating(max_length), texts)
         ids = TokenIds.from_encodings(enc)
         # Only a text cut to exactly max_length tokens can have overflowed: ask just those.
