@@ -102,7 +102,7 @@ def test_minilm_lean_encoding_equals_the_original(max_length):
     lean = tok._lean()
     assert lean is not None and (lean.prefix, lean.suffix) == ((101,), (102,))
     texts = _clean(_ascii_texts(400, seed=5)) + _ascii_texts(100, seed=6) + ["Ça va?", "naïve\tcafé", "日本"]
-    texts = [t for t in texts if t.strip()]  # the library gives no ids for blank texts either way
+    texts += ["", " ", "\t\n", "[MASK] it", "a[SEP]b\tc"]  # blank texts get the specials alone
     base, _ = tok._truncating(max_length)
     enc = base.encode_batch(texts)
     ids, cut = tok.encode_ids(texts, max_length)
@@ -133,5 +133,9 @@ def test_lean_twin_needs_bert_pieces_and_fixed_specials():
     base.normalizer = normalizers.Sequence([normalizers.Strip(), normalizers.BertNormalizer()])
     assert lean_twin(base) is None  # another normalizer: stripping may see what cleaning changed
     base.normalizer = normalizers.BertNormalizer()
+    assert lean_twin(base) is not None
+    base.add_tokens([tokenizers.AddedToken("new york", normalized=True)])
+    assert lean_twin(base) is None  # "new\tyork" is "new york" to the original's normalizer
+    base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
     base.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     assert lean_twin(base) is None  # not the BERT split: tabs and newlines may matter

@@ -131,8 +131,8 @@ class Lean:
 
 def lean_twin(backend) -> Lean | None:
     """The lean twin of a `tokenizers.Tokenizer` (padding and truncation off), or None where the
-    reduction is not exact: another normalizer or pre-tokenizer, or a post-processor that does not
-    put the same ids before and after every text."""
+    reduction is not exact: another normalizer or pre-tokenizer, an added token with whitespace in
+    it, or a post-processor that does not put the same ids before and after every text."""
     from tokenizers import Regex, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as _Tok
 
@@ -142,6 +142,8 @@ def lean_twin(backend) -> Lean | None:
             and any(isinstance(p, normalizers.BertNormalizer) for p in parts)
             and all(isinstance(p, (normalizers.BertNormalizer, normalizers.Lowercase)) for p in parts)):
         return None
+    if any(any(c.isspace() for c in t.content) for t in backend.get_added_tokens_decoder().values()):
+        return None  # an added token matched after normalisation could span a tab the original made a space
     lower = any(isinstance(p, normalizers.Lowercase) or p.lowercase for p in parts)
     lean = _Tok.from_str(backend.to_str())
     lean.normalizer = normalizers.Lowercase() if lower else None
