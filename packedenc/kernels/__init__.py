@@ -247,9 +247,13 @@ _TABLES: dict[tuple[str, str], dict[str, Callable]] = {}  # (backend, device typ
 
 
 # torch.compile: dynamo cannot trace the imports that load a backend, and would trace through an
-# lru_cache. `assume_constant_result` makes it run this eagerly at trace time and keep the
-# result, plain strings, as a constant; `get_ops` then only reads module-level dicts.
-@torch.compiler.assume_constant_result
+# lru_cache. `torch.compiler.assume_constant_result` makes it run this eagerly at trace time and
+# keep the result, plain strings, as a constant; `get_ops` then only reads module-level dicts. The
+# decorator only sets this attribute, but calling it imports torch._dynamo: a second added to
+# every `import packedenc` (tests check that torch's decorator still sets just this).
+_CONSTANT_MARK = "_dynamo_marked_constant"
+
+
 def _choose_all(backend: str, device_type: str) -> tuple[tuple[str, str], ...]:
     """(op, backend or "a>b" chain) for every op; computed (and logged, on CUDA) once per key."""
     key = (backend, device_type)
@@ -270,6 +274,9 @@ def _choose_all(backend: str, device_type: str) -> tuple[tuple[str, str], ...]:
         log.info("packedenc backend=%s on %s: %s", backend, device_type,
                  ", ".join(f"{op}={b}" for op, b in chosen))
     return chosen
+
+
+setattr(_choose_all, _CONSTANT_MARK, True)
 
 
 def get_ops(backend: str | Ops = "auto", device: torch.device | str | None = None) -> Ops:

@@ -43,6 +43,35 @@ def test_encode_compiles_fullgraph_on_cpu():
     torch.testing.assert_close(compiled(params, b.ids, b.cu_seqlens, b.max_seqlen), eager)
 
 
+def test_the_table_is_built_eagerly_inside_a_trace(monkeypatch):
+    """A first `get_ops` under torch.compile (nothing cached) runs `_choose_all` eagerly, as a
+    constant: dynamo cannot trace its imports and logging. packedenc marks it without importing
+    torch._dynamo (a second of every `import packedenc`); torch's own decorator marks the same way."""
+    from torch._dynamo import assume_constant_result
+
+    from packedenc import kernels
+
+    probe = assume_constant_result(lambda: 0)
+    assert {k: v for k, v in vars(probe).items()} == {kernels._CONSTANT_MARK: True}
+    assert getattr(kernels._choose_all, kernels._CONSTANT_MARK) is True
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_TABLES", {})
+    params = _tiny_modernbert()
+    b = pe.pack([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]])
+    compiled = torch.compile(pe.encode, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(params, b.ids, b.cu_seqlens, b.max_seqlen),
+                               pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference"))
+
+
+def test_import_does_not_load_dynamo():
+    import subprocess
+    import sys
+
+    code = "import sys, packedenc; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def _varlen_batches(device="cpu"):
     for lengths in ([3, 7, 1], [5, 2, 9, 4, 6], [12, 1, 3, 8]):  # tokens, sequences and longest all vary
         yield pe.pack([[1 + (i * 7 + j) % 90 for j in range(L)] for i, L in enumerate(lengths)], device=device)
