@@ -25,6 +25,7 @@ tokens the post-processor puts around every text and cuts to the limit on flat a
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -100,9 +101,9 @@ def encode_batch(backend: Any, twin: Any | None, texts: Sequence[str]) -> list[A
 # ---- the lean twin ---------------------------------------------------------------------------
 
 # The ASCII characters whose presence keeps a text off the lean twin: the controls BertNormalizer's
-# cleaning removes (tab, newline and return stay: they split pieces like a space)
+# cleaning removes (_CONTROL; tab, newline and return stay: they split pieces like a space)
 _CONTROLS = np.zeros(256, dtype=bool)
-_CONTROLS[[*range(0, 9), 11, 12, *range(14, 32), 127]] = True
+_CONTROLS[[c for c in range(128) if re.fullmatch(_CONTROL, chr(c))]] = True
 _PROBES = ("a", "hello world", "x.", "[CLS] z")  # texts whose full encodings show the specials' places
 
 

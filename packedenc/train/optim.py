@@ -175,8 +175,8 @@ class Step:
         scaled gradients, before clipping). The scale and the clip coefficient are not applied by
         passes of their own: the fused update divides each gradient by their one device divisor."""
         _all_reduce_mean(grads)
-        norm = _global_norm(grads) * scale
         factor = None if isinstance(scale, float) and scale == 1.0 else scale
+        norm = _global_norm(grads) if factor is None else _global_norm(grads) * factor
         if self.clip_norm is not None:
             coef = _clip_coef(norm, self.clip_norm)
             factor = coef if factor is None else coef * factor
