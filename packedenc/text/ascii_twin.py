@@ -115,6 +115,7 @@ class Lean:
     backend: Any = dataclasses.field(repr=False)
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
+    table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` of backend
 
     def takes(self, max_length: int | None) -> bool:
         """Whether a limit leaves room for text between the special tokens."""
@@ -125,7 +126,8 @@ class Lean:
         texts `lean_texts` accepts."""
         from packedenc.text.token_ids import TokenIds
 
-        bare = TokenIds.from_encodings(_encode(self.backend, texts))
+        bare = (TokenIds.from_encodings(_encode(self.backend, texts)) if self.table is None
+                else self.table.encode(texts))
         keep = None if max_length is None else max_length - len(self.prefix) - len(self.suffix)
         return bare.wrapped(self.prefix, self.suffix, keep)
 
@@ -162,7 +164,9 @@ def lean_twin(backend) -> Lean | None:
     if len(around) != 1:
         return None
     prefix, suffix = around.pop()
-    return Lean(lean, prefix, suffix)
+    from packedenc.text.piece_table import PieceTable
+
+    return Lean(lean, prefix, suffix, PieceTable(lean, lower))
 
 
 def lean_texts(texts: Sequence[str]) -> np.ndarray:
