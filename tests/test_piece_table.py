@@ -55,15 +55,15 @@ def _lean_backend(lowercase=True):
 def test_table_equals_the_lean_twin_on_hits_and_misses(lowercase):
     backend = _lean_backend(lowercase)
     table = PieceTable(backend, lower=lowercase)
-    seeded = len(table._table.length_E)
+    seeded = len(table._table.value_E)
     assert seeded > 20_000  # the vocabulary's whole-word entries
     texts = _clean(ascii_fuzz(300, seed=11)) + _edge_texts()
     first = table.encode(texts)
     _same(first, _want(backend, texts))
-    grown = len(table._table.length_E)
+    grown = len(table._table.value_E)
     assert grown > seeded  # the short misses joined the table
     _same(table.encode(texts), first)  # now from the table
-    assert len(table._table.length_E) == grown
+    assert len(table._table.value_E) == grown
     _same(table.encode(texts[::-1]), _want(backend, texts[::-1]))
     assert table.encode([]).tolist() == []
 
@@ -84,7 +84,7 @@ def test_the_texts_holding_an_added_token_go_to_the_tokenizer():
 
 def test_exact_when_every_hash_collides(monkeypatch):
     """A hash that sends every key to one slot: the probes grow long, the key comparison decides."""
-    monkeypatch.setattr(piece_table, "_hash", lambda keys, length: np.zeros(len(length), dtype=np.uint64))
+    monkeypatch.setattr(piece_table, "_home", lambda keys, bits: np.zeros(keys.shape[1], dtype=np.int64))
     backend = _lean_backend()
     table = PieceTable.__new__(PieceTable)
     table._backend, table._lower, table._added = backend, True, {}
@@ -99,10 +99,10 @@ def test_exact_when_every_hash_collides(monkeypatch):
 def test_a_full_table_stops_growing_and_stays_exact(monkeypatch):
     backend = _lean_backend()
     table = PieceTable(backend, lower=True)
-    monkeypatch.setattr(piece_table, "_CAPACITY", len(table._table.length_E))
+    monkeypatch.setattr(piece_table, "_CAPACITY", len(table._table.value_E))
     texts = _clean(ascii_fuzz(100, seed=12))
     _same(table.encode(texts), _want(backend, texts))
-    assert len(table._table.length_E) == piece_table._CAPACITY
+    assert len(table._table.value_E) == piece_table._CAPACITY
 
 
 def test_another_model_starts_empty_and_fills_from_its_own_output():
@@ -116,8 +116,8 @@ def test_another_model_starts_empty_and_fills_from_its_own_output():
     from packedenc.text.ascii_twin import lean_twin
 
     lean = lean_twin(base)
-    assert lean is not None and len(lean.table._table.length_E) == 0
+    assert lean is not None and len(lean.table._table.value_E) == 0
     texts = ["Hello world!", "HELLO, a world", "nope"]
     got, _ = lean.encode_ids(texts, None)
     assert got.tolist() == [e.ids for e in base.encode_batch(texts)] == [[1, 2, 3], [1, 0, 4, 2], [0]]
-    assert len(lean.table._table.length_E) == 6  # hello world ! , a nope
+    assert len(lean.table._table.value_E) == 6  # hello world ! , a nope

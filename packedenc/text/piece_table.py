@@ -7,16 +7,18 @@ of common words, and WordPiece gives a word that is itself in the vocabulary tha
 instead of handing every text to the tokenizers library (one `Encoding` Python object per text,
 built under the GIL that `embed`'s device loop needs), `PieceTable.encode` joins the texts, finds
 every piece's start and length with a few vectorised passes over the bytes, reads each piece's
-first 24 bytes as three little-endian uint64 words (unaligned views of the byte string, one
-gather per word) and looks the (words, length) key up in an open-addressing hash table. Keys are
-compared whole, so a hit is exact; only pieces not in the table (longer than 24 bytes, or not seen
-yet) go to the tokenizer, one call per distinct piece, and the short ones join the table.
+first 24 bytes as three little-endian uint64 words (an unaligned view of the byte string, one
+gather per word; a piece's bytes are never 0, so the words alone tell two pieces apart) and looks
+the key up in an open-addressing hash table of 32-byte rows (key, value: one cache line a probe).
+Keys are compared whole, so a hit is exact; only pieces not in the table (longer than 24 bytes,
+or not seen yet) go to the tokenizer, one call per distinct piece, and the short ones join the
+table. Gathers use `np.take`, several times faster than `[]` indexing on these shapes.
 
 Seeds: for a WordPiece model, every vocabulary entry that is itself one piece (`tokenize(word)` is
 `[id(word)]`: greedy longest-match takes the whole word first). Other models start empty and fill
 from their own output. An added token (`[CLS]`, `[MASK]`, a user's) is matched by the tokenizer in
-the raw text before pieces are cut: when the text of one occurs in the texts, `encode` returns
-None and the caller uses the tokenizer. The table only grows (to `_CAPACITY` entries, then misses
+the raw text before pieces are cut: the texts in which the text of one occurs go to the
+tokenizer whole. The table only grows (to `_CAPACITY` entries, then misses
 are tokenized every time), and a grown table replaces the old one in one assignment: a thread
 reading the old one meanwhile still reads a consistent table.
 
@@ -34,7 +36,7 @@ __all__ = ["PieceTable"]
 
 _WORDS = 3                 # uint64 words of a key: pieces of up to 24 bytes live in the table
 _KEY_BYTES = 8 * _WORDS
-_CAPACITY = 1 << 17        # entries; at most 2^19 slots of 48 bytes
+_CAPACITY = 1 << 18        # entries; at most 2^19 slots of 32 bytes
 _PUNCT = b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
 # byte -> 0 whitespace (space, tab, newline, return: the lean twin's texts hold no other
 # control), 1 letter / digit / other printable, 2 ASCII punctuation (a piece on its own)
@@ -49,7 +51,7 @@ _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD
 def _pieces(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(P,) start and (P,) length of every piece of `buf` (ASCII; 24 zero bytes of padding at its
     end, which are whitespace)."""
-    cls = _CLASS[np.frombuffer(buf, dtype=np.uint8)]
+    cls = np.take(_CLASS, np.frombuffer(buf, dtype=np.uint8))  # (take: a fraction of [] indexing's time)
     word = cls == 1
     punct = cls == 2
     after = np.empty_like(word)  # the byte before is a letter
@@ -66,46 +68,47 @@ def _pieces(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
 def _keys(buf: bytes, start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """(3, P) uint64: each piece's first 24 bytes, little-endian, the bytes past its end zeroed."""
     at = np.ndarray(shape=(len(buf) - 7,), dtype="<u8", buffer=buf, strides=(1,))  # 8 bytes from each offset
-    keys = np.empty((_WORDS, len(start)), dtype=np.uint64)
-    for w in range(_WORDS):
-        keys[w] = at[start + 8 * w] & _MASK[np.clip(length - 8 * w, 0, 8)]
+    keys = np.zeros((_WORDS, len(start)), dtype=np.uint64)
+    keys[0] = np.take(at, start) & np.take(_MASK, np.minimum(length, 8))
+    longer = np.flatnonzero(length > 8)  # most pieces fit one word: the others' later words
+    for w in range(1, _WORDS):
+        if longer.size:
+            keys[w, longer] = np.take(at, start[longer] + 8 * w) & np.take(_MASK, np.clip(length[longer] - 8 * w, 0, 8))
+            longer = longer[length[longer] > 8 * (w + 1)]
     return keys
 
 
-def _hash(keys: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """(P,) uint64 hash of each (key, length); the table's slots are its top bits."""
-    h = length.astype(np.uint64) * _MIX[3]
+def _home(keys: np.ndarray, bits: int) -> np.ndarray:
+    """(P,) int64 home slot of each key in a table of 2**bits slots: the top bits of a hash."""
+    h = keys[0] * _MIX[3]
     for w in range(_WORDS):
         h = (h ^ keys[w]) * _MIX[w]
         h ^= h >> np.uint64(32)
     h ^= h >> np.uint64(29)
-    return h * _MIX[1]
+    return ((h * _MIX[1]) >> np.uint64(64 - bits)).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Table:
-    """Entries (E keys, their lengths, where their ids sit in `store`) and their open-addressing
-    slots (linear probing; slot length 0 = empty); `probes`: the longest probe distance used."""
+    """Entries (E keys; each one's ids as `store[value >> 8:][:value & 255]`) and their
+    open-addressing slots: (S, 4) uint64 rows (the key's three words, its value), linear probing,
+    an empty slot's first word 0 (a piece's first byte never is). A piece's bytes are printable,
+    never 0, so its key alone (without its length) tells it apart from every other piece of up to
+    24 bytes. `probes`: the longest probe distance used."""
 
     keys_E: np.ndarray
-    length_E: np.ndarray
-    off_E: np.ndarray
-    count_E: np.ndarray
+    value_E: np.ndarray
     store: np.ndarray
-    slot_entry: np.ndarray
-    slot_hash: np.ndarray
-    slot_keys: np.ndarray
-    slot_length: np.ndarray
+    slots: np.ndarray
     probes: int
 
     @staticmethod
-    def build(keys_E, length_E, off_E, count_E, store) -> "_Table":
-        E = len(length_E)
-        bits = max(10, int(4 * max(E, 1) - 1).bit_length())  # at most a quarter full: short probes
+    def build(keys_E: np.ndarray, value_E: np.ndarray, store: np.ndarray) -> "_Table":
+        E = len(value_E)
+        bits = max(10, int(2 * max(E, 1) - 1).bit_length())  # at most half full
         S = 1 << bits
         slot_entry = np.full(S, -1, dtype=np.int64)
-        hash_E = _hash(keys_E, length_E)
-        at = (hash_E >> np.uint64(64 - bits)).astype(np.int64)
+        at = _home(keys_E, bits)
         pending, probes, dist = np.arange(E), 0, 0
         while pending.size:  # place in rounds: the first of the pending claiming a free slot wins it
             cand = (at[pending] + dist) & (S - 1)
@@ -117,36 +120,34 @@ class _Table:
             if placed.any():
                 probes = dist
             pending, dist = pending[~placed], dist + 1  # the others try the next slot
-        used = slot_entry >= 0
-        slot_hash = np.zeros(S, dtype=np.uint64)
-        slot_hash[used] = hash_E[slot_entry[used]]
-        slot_keys = np.zeros((_WORDS, S), dtype=np.uint64)
-        slot_keys[:, used] = keys_E[:, slot_entry[used]]
-        slot_length = np.zeros(S, dtype=np.int64)
-        slot_length[used] = length_E[slot_entry[used]]
-        return _Table(keys_E, length_E, off_E, count_E, store, slot_entry, slot_hash, slot_keys,
-                      slot_length, probes)
+        used = np.flatnonzero(slot_entry >= 0)
+        rows = np.zeros((S, _WORDS + 1), dtype=np.uint64)  # one 32-byte row a slot: one cache line a probe
+        rows[used, :_WORDS] = keys_E[:, slot_entry[used]].T
+        rows[used, _WORDS] = value_E[slot_entry[used]]
+        return _Table(keys_E, value_E, store, rows, probes)
 
-    def find(self, keys: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """(P,) entry of each key, -1 where it is not in the table. A slot's full hash is compared
-        first, then the key and length themselves (so a hit is exact)."""
-        S = len(self.slot_entry)
-        h = _hash(keys, length)
-        home = (h >> np.uint64(64 - (S.bit_length() - 1))).astype(np.int64)
-        entry = np.full(len(length), -1, dtype=np.int64)
-        todo = np.flatnonzero(length <= _KEY_BYTES)
-        for d in range(self.probes + 1):
+    def find(self, keys: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """((P,) uint64 value of each key, (P,) bool found): pieces longer than 24 bytes and keys
+        not in the table are not found."""
+        S = len(self.slots)
+        home = _home(keys, S.bit_length() - 1)
+        row = np.take(self.slots, home, axis=0)  # the first probe, every piece: (take: ~10x [] on rows)
+        found = length <= _KEY_BYTES  # a longer piece's key is its first 24 bytes: never an entry's
+        for w in range(_WORDS):
+            found &= row[:, w] == keys[w]
+        value = np.where(found, row[:, _WORDS], np.uint64(0))
+        todo = np.flatnonzero(~found & (row[:, 0] != 0) & (length <= _KEY_BYTES))  # an empty slot: a miss
+        for d in range(1, self.probes + 1):
             if todo.size == 0:
                 break
-            every = todo.size == len(length)  # (the first probe of pieces all short: no gathers)
-            slot = home if every else (home[todo] + d) & (S - 1)
-            hit = self.slot_hash[slot] == (h if every else h[todo])
-            hit &= self.slot_length[slot] == (length if every else length[todo])
-            for w in range(_WORDS):
-                hit &= self.slot_keys[w][slot] == (keys[w] if every else keys[w][todo])
-            entry[todo[hit]] = self.slot_entry[slot[hit]]
-            todo = todo[~hit & (self.slot_length[slot] > 0)]  # an empty slot ends the probe: a miss
-        return entry
+            row = np.take(self.slots, (home[todo] + d) & (S - 1), axis=0)
+            hit = row[:, 0] == keys[0, todo]
+            for w in range(1, _WORDS):
+                hit &= row[:, w] == keys[w, todo]
+            value[todo[hit]] = row[hit, _WORDS]
+            found[todo[hit]] = True
+            todo = todo[~hit & (row[:, 0] != 0)]
+        return value, found
 
 
 class PieceTable:
@@ -177,18 +178,21 @@ class PieceTable:
 
     @staticmethod
     def _with(table: _Table | None, words: Sequence[str], ids: Sequence[Sequence[int]]) -> _Table:
-        """`table` (None: an empty one) with the pieces `words` -> `ids` added."""
+        """`table` (None: an empty one) with the pieces `words` (each at most 24 bytes, fewer than
+        256 ids) -> `ids` added."""
         buf = (" ".join(words) + " " * _KEY_BYTES).encode("ascii")
         start, length = _pieces(buf)
-        assert len(start) == len(words), "every word added is one piece"
+        assert len(start) == len(words) and (length <= _KEY_BYTES).all(), "every word added is one short piece"
         count = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        new_store = np.fromiter((i for x in ids for i in x), dtype=np.int64, count=int(count.sum()))
+        assert (count < 256).all(), "a value holds a count of up to 255 ids"
+        old = np.zeros(0, dtype=np.int64) if table is None else table.store
+        value = ((len(old) + np.cumsum(count) - count) << 8 | count).astype(np.uint64)
+        store = np.concatenate((old, np.fromiter((i for x in ids for i in x), dtype=np.int64, count=int(count.sum()))))
         keys = _keys(buf, start, length)
         if table is None:
-            return _Table.build(keys, length, np.cumsum(count) - count, count, new_store)
-        return _Table.build(np.concatenate((table.keys_E, keys), axis=1), np.concatenate((table.length_E, length)),
-                            np.concatenate((table.off_E, len(table.store) + np.cumsum(count) - count)),
-                            np.concatenate((table.count_E, count)), np.concatenate((table.store, new_store)))
+            return _Table.build(keys, value, store)
+        return _Table.build(np.concatenate((table.keys_E, keys), axis=1), np.concatenate((table.value_E, value)),
+                            store)
 
     def encode(self, texts: Sequence[str]) -> Any:
         """`TokenIds` of the texts, no special tokens: the texts that hold an added token's text
@@ -231,14 +235,11 @@ class PieceTable:
         start, length = _pieces(buf)
         keys = _keys(buf, start, length)
         table = self._table
-        entry = table.find(keys, length)
-        miss = np.flatnonzero(entry < 0)
-        if miss.size == 0:
-            off, count, store = table.off_E[entry], table.count_E[entry], table.store
-        else:
-            hit = np.flatnonzero(entry >= 0)
-            off, count = np.zeros(len(entry), dtype=np.int64), np.zeros(len(entry), dtype=np.int64)
-            off[hit], count[hit] = table.off_E[entry[hit]], table.count_E[entry[hit]]
+        value, found = table.find(keys, length)
+        off, count = (value >> np.uint64(8)).astype(np.int64), (value & np.uint64(255)).astype(np.int64)
+        store = table.store
+        if not found.all():
+            miss = np.flatnonzero(~found)
             store, off[miss], count[miss] = self._misses(buf, start[miss], length[miss], table)
         ids = store[off] if (count == 1).all() else store[
             np.repeat(off - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))]
@@ -261,8 +262,8 @@ class PieceTable:
         store = np.concatenate((table.store, np.fromiter((i for x in got for i in x), dtype=np.int64,
                                                          count=int(count_D.sum()))))
         pick = np.fromiter(map(where.__getitem__, text), dtype=np.int64, count=len(text))
-        short = [k for k, p in enumerate(distinct) if len(p) <= _KEY_BYTES]
-        if short and len(table.length_E) + len(short) <= _CAPACITY:
+        short = [k for k, p in enumerate(distinct) if len(p) <= _KEY_BYTES and len(got[k]) < 256]
+        if short and len(table.value_E) + len(short) <= _CAPACITY:
             self._table = self._with(table, [distinct[k] for k in short], [got[k] for k in short])
         return store, off_D[pick], count_D[pick]
 
