@@ -30,6 +30,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from packedenc.text.piece_table import PieceTable
+from packedenc.text.token_ids import TokenIds, encodings
+
 __all__ = ["ascii_twin", "encode_batch", "Lean", "lean_twin", "lean_texts"]
 
 # BertNormalizer's clean_text on ASCII: these go (Cc other than \t \n \r), then \t \n \r -> " "
@@ -79,22 +82,18 @@ def _ascii_normalizer(n: Any) -> tuple[Any, bool]:
     return n, False
 
 
-def _encode(backend: Any, texts: list[str]) -> list[Any]:
-    return (backend.encode_batch_fast if hasattr(backend, "encode_batch_fast") else backend.encode_batch)(texts)
-
-
 def encode_batch(backend: Any, twin: Any | None, texts: Sequence[str]) -> list[Any]:
     """`backend.encode_batch_fast(texts)`, with the ASCII texts encoded by `twin` when there is one."""
     texts = list(texts)
     if twin is None:
-        return _encode(backend, texts)
+        return encodings(backend, texts)
     flags = [t.isascii() for t in texts]
     if all(flags):
-        return _encode(twin, texts)
+        return encodings(twin, texts)
     if not any(flags):
-        return _encode(backend, texts)
-    fast = iter(_encode(twin, [t for t, f in zip(texts, flags) if f]))
-    slow = iter(_encode(backend, [t for t, f in zip(texts, flags) if not f]))
+        return encodings(backend, texts)
+    fast = iter(encodings(twin, [t for t, f in zip(texts, flags) if f]))
+    slow = iter(encodings(backend, [t for t, f in zip(texts, flags) if not f]))
     return [next(fast) if f else next(slow) for f in flags]
 
 
@@ -124,9 +123,7 @@ class Lean:
     def encode_ids(self, texts: list[str], max_length: int | None) -> tuple[Any, np.ndarray]:
         """(`TokenIds` of the full encodings, (C,) indices of the texts cut to `max_length`) for
         texts `lean_texts` accepts."""
-        from packedenc.text.token_ids import TokenIds
-
-        bare = (TokenIds.from_encodings(_encode(self.backend, texts)) if self.table is None
+        bare = (TokenIds.from_encodings(encodings(self.backend, texts)) if self.table is None
                 else self.table.encode(texts))
         keep = None if max_length is None else max_length - len(self.prefix) - len(self.suffix)
         return bare.wrapped(self.prefix, self.suffix, keep)
@@ -164,8 +161,6 @@ def lean_twin(backend) -> Lean | None:
     if len(around) != 1:
         return None
     prefix, suffix = around.pop()
-    from packedenc.text.piece_table import PieceTable
-
     return Lean(lean, prefix, suffix, PieceTable(lean, lower))
 
 

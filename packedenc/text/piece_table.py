@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from packedenc.text.token_ids import TokenIds, encodings
+
 __all__ = ["PieceTable"]
 
 _WORDS = 3                 # uint64 words of a key: pieces of up to 24 bytes live in the table
@@ -197,9 +199,6 @@ class PieceTable:
     def encode(self, texts: Sequence[str]) -> Any:
         """`TokenIds` of the texts, no special tokens: the texts that hold an added token's text
         go to the tokenizer whole, the others through the table."""
-        from packedenc.text.ascii_twin import _encode
-        from packedenc.text.token_ids import TokenIds
-
         joined = " ".join(texts)
         if self._lower:
             joined = joined.lower()
@@ -208,9 +207,9 @@ class PieceTable:
         text_start = np.cumsum(text_len + 1) - text_len - 1
         held = self._holding_added(buf, text_start)
         if held.size == 0:
-            return self._encode(buf, text_start)
+            return self._lookup(buf, text_start)
         rest = np.setdiff1d(np.arange(len(texts)), held)
-        tokenized = TokenIds.from_encodings(_encode(self._backend, [texts[i] for i in held.tolist()]))
+        tokenized = TokenIds.from_encodings(encodings(self._backend, [texts[i] for i in held.tolist()]))
         return TokenIds.interleave(((rest, self.encode([texts[i] for i in rest.tolist()])),
                                     (held, tokenized)), len(texts))
 
@@ -229,9 +228,7 @@ class PieceTable:
             return np.zeros(0, dtype=np.int64)
         return np.unique(np.searchsorted(text_start, np.asarray(at), side="right") - 1)
 
-    def _encode(self, buf: bytes, text_start: np.ndarray) -> Any:
-        from packedenc.text.token_ids import TokenIds
-
+    def _lookup(self, buf: bytes, text_start: np.ndarray) -> Any:
         start, length = _pieces(buf)
         keys = _keys(buf, start, length)
         table = self._table
@@ -251,11 +248,9 @@ class PieceTable:
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokenize the distinct pieces not in `table`, add the short ones to it; (the store the
         offsets index, each missed piece's offset, its count)."""
-        from packedenc.text.ascii_twin import _encode
-
         text = [buf[s:s + n].decode("ascii") for s, n in zip(start.tolist(), length.tolist())]
         distinct = list(dict.fromkeys(text))
-        got = [e.ids for e in _encode(self._backend, distinct)]
+        got = [e.ids for e in encodings(self._backend, distinct)]
         where = {p: k for k, p in enumerate(distinct)}
         count_D = np.fromiter(map(len, got), dtype=np.int64, count=len(got))
         off_D = len(table.store) + np.cumsum(count_D) - count_D

@@ -21,7 +21,13 @@ import torch
 
 from packedenc.packing import Packed
 
-__all__ = ["TokenIds"]
+__all__ = ["TokenIds", "encodings"]
+
+
+def encodings(backend: Any, texts: list[str]) -> list[Any]:
+    """A `tokenizers.Tokenizer`'s encodings of a batch, without the character offsets where the
+    library can skip them (`encode_batch_fast`, tokenizers >= 0.21)."""
+    return (backend.encode_batch_fast if hasattr(backend, "encode_batch_fast") else backend.encode_batch)(texts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
