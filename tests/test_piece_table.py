@@ -83,17 +83,41 @@ def test_the_texts_holding_an_added_token_go_to_the_tokenizer():
 
 
 def test_exact_when_every_hash_collides(monkeypatch):
-    """A hash that sends every key to one slot: the probes grow long, the key comparison decides."""
+    """A hash that sends every key to one slot: the probes grow long, the key comparison decides;
+    entries added later land further along the same run."""
     monkeypatch.setattr(piece_table, "_home", lambda keys, bits: np.zeros(keys.shape[1], dtype=np.int64))
     backend = _lean_backend()
     table = PieceTable.__new__(PieceTable)
     table._backend, table._lower, table._added = backend, True, {}
-    table._table = PieceTable._with(None, ["the", "of", "and", "x" * 24, "!"], [[1], [2], [3], [4, 5], [6]])
+    words = ["the", "of", "and", "x" * 24, "!"]
+    buf = (" ".join(words) + " " * 24).encode()
+    start, length = piece_table._pieces(buf)
+    value = np.array([0 << 8 | 1, 1 << 8 | 1, 2 << 8 | 1, 3 << 8 | 2, 5 << 8 | 1], dtype=np.uint64)
+    table._table = piece_table._Table.build(piece_table._keys(buf, start, length), value,
+                                            np.array([1, 2, 3, 4, 5, 6]))
     assert table._table.probes == 4
     texts = ["the of and", "x" * 24 + "!", "y the", "theo f"]
-    got = table.encode(texts)
-    assert got.tolist() == [[1, 2, 3], [4, 5, 6], backend.encode("y").ids + [1],
-                            backend.encode("theo").ids + backend.encode("f").ids]
+    want = [[1, 2, 3], [4, 5, 6], backend.encode("y").ids + [1], backend.encode("theo").ids + backend.encode("f").ids]
+    assert table.encode(texts).tolist() == want
+    assert table._table.probes == 4 + 3 and len(table._table.value_E) == 8  # y, theo, f joined the run
+    assert table.encode(texts).tolist() == want
+
+
+def test_the_table_grows_in_place_then_doubles():
+    """New pieces go into a copy of the slots while the table is at most half full; past that it
+    is rebuilt twice as large. The ids stay right across both."""
+    backend = _lean_backend()
+    table = PieceTable(backend, lower=True)
+    S = len(table._table.slots)
+    rng = random.Random(4)
+    seen = []
+    while len(table._table.slots) == S:
+        texts = [" ".join("".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(rng.randint(4, 9)))
+                          for _ in range(40)) for _ in range(20)]
+        seen += texts
+        _same(table.encode(texts), _want(backend, texts))
+    assert len(table._table.slots) == 2 * S and 2 * len(table._table.value_E) <= len(table._table.slots)
+    _same(table.encode(seen), _want(backend, seen))
 
 
 def test_a_full_table_stops_growing_and_stays_exact(monkeypatch):

@@ -90,6 +90,28 @@ def _home(keys: np.ndarray, bits: int) -> np.ndarray:
     return ((h * _MIX[1]) >> np.uint64(64 - bits)).astype(np.int64)
 
 
+def _place(slots: np.ndarray, keys: np.ndarray, value: np.ndarray) -> int:
+    """Write the entries (keys not in `slots` yet) into free slots, linear probing; return the
+    longest probe distance used. In rounds: of the entries claiming one free slot, the first wins
+    it, the others try the next slot."""
+    S = len(slots)
+    at = _home(keys, S.bit_length() - 1)
+    pending, probes, dist = np.arange(len(value)), 0, 0
+    while pending.size:
+        cand = (at[pending] + dist) & (S - 1)
+        free = np.flatnonzero(np.take(slots[:, 0], cand) == 0)
+        won, first = np.unique(cand[free], return_index=True)
+        winners = pending[free[first]]
+        slots[won, :_WORDS] = keys[:, winners].T
+        slots[won, _WORDS] = value[winners]
+        if won.size:
+            probes = dist
+        placed = np.zeros(len(pending), dtype=bool)
+        placed[free[first]] = True
+        pending, dist = pending[~placed], dist + 1
+    return probes
+
+
 @dataclasses.dataclass(frozen=True)
 class _Table:
     """Entries (E keys; each one's ids as `store[value >> 8:][:value & 255]`) and their
@@ -106,27 +128,19 @@ class _Table:
 
     @staticmethod
     def build(keys_E: np.ndarray, value_E: np.ndarray, store: np.ndarray) -> "_Table":
-        E = len(value_E)
-        bits = max(10, int(2 * max(E, 1) - 1).bit_length())  # at most half full
-        S = 1 << bits
-        slot_entry = np.full(S, -1, dtype=np.int64)
-        at = _home(keys_E, bits)
-        pending, probes, dist = np.arange(E), 0, 0
-        while pending.size:  # place in rounds: the first of the pending claiming a free slot wins it
-            cand = (at[pending] + dist) & (S - 1)
-            free = slot_entry[cand] < 0
-            slots, first = np.unique(cand[free], return_index=True)
-            slot_entry[slots] = pending[free][first]
-            placed = np.zeros(len(pending), dtype=bool)
-            placed[np.flatnonzero(free)[first]] = True
-            if placed.any():
-                probes = dist
-            pending, dist = pending[~placed], dist + 1  # the others try the next slot
-        used = np.flatnonzero(slot_entry >= 0)
-        rows = np.zeros((S, _WORDS + 1), dtype=np.uint64)  # one 32-byte row a slot: one cache line a probe
-        rows[used, :_WORDS] = keys_E[:, slot_entry[used]].T
-        rows[used, _WORDS] = value_E[slot_entry[used]]
-        return _Table(keys_E, value_E, store, rows, probes)
+        bits = max(10, int(2 * max(len(value_E), 1) - 1).bit_length())  # at most half full
+        slots = np.zeros((1 << bits, _WORDS + 1), dtype=np.uint64)  # 32-byte rows: one cache line a probe
+        return _Table(keys_E, value_E, store, slots, _place(slots, keys_E, value_E))
+
+    def added(self, keys: np.ndarray, value: np.ndarray, store: np.ndarray) -> "_Table":
+        """This table with entries for new keys (none already in it), over `store` (this table's
+        store extended): placed into a copy of the slots while the table stays at most half full,
+        else rebuilt twice as large."""
+        keys_E, value_E = np.concatenate((self.keys_E, keys), axis=1), np.concatenate((self.value_E, value))
+        if 2 * len(value_E) > len(self.slots):
+            return _Table.build(keys_E, value_E, store)
+        slots = self.slots.copy()
+        return _Table(keys_E, value_E, store, slots, max(self.probes, _place(slots, keys, value)))
 
     def find(self, keys: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """((P,) uint64 value of each key, (P,) bool found): pieces longer than 24 bytes and keys
@@ -176,25 +190,17 @@ class PieceTable:
                 if w.isascii() and 0 < len(w) <= limit and (not lower or w == w.lower()) and _one_piece(w):
                     words.append(w)
                     ids.append(i)
-        self._table = self._with(None, words, [[i] for i in ids])
+        self._table = self._seeded(words, ids)
 
     @staticmethod
-    def _with(table: _Table | None, words: Sequence[str], ids: Sequence[Sequence[int]]) -> _Table:
-        """`table` (None: an empty one) with the pieces `words` (each at most 24 bytes, fewer than
-        256 ids) -> `ids` added."""
+    def _seeded(words: Sequence[str], ids: Sequence[int]) -> _Table:
+        """A table of the one-token pieces `words` (each at most 24 bytes)."""
         buf = (" ".join(words) + " " * _KEY_BYTES).encode("ascii")
         start, length = _pieces(buf)
-        assert len(start) == len(words) and (length <= _KEY_BYTES).all(), "every word added is one short piece"
-        count = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        assert (count < 256).all(), "a value holds a count of up to 255 ids"
-        old = np.zeros(0, dtype=np.int64) if table is None else table.store
-        value = ((len(old) + np.cumsum(count) - count) << 8 | count).astype(np.uint64)
-        store = np.concatenate((old, np.fromiter((i for x in ids for i in x), dtype=np.int64, count=int(count.sum()))))
-        keys = _keys(buf, start, length)
-        if table is None:
-            return _Table.build(keys, value, store)
-        return _Table.build(np.concatenate((table.keys_E, keys), axis=1), np.concatenate((table.value_E, value)),
-                            store)
+        assert len(start) == len(words) and (length <= _KEY_BYTES).all(), "every word is one short piece"
+        store = np.asarray(ids, dtype=np.int64)
+        value = (np.arange(len(words), dtype=np.uint64) << np.uint64(8)) | np.uint64(1)
+        return _Table.build(_keys(buf, start, length), value, store)
 
     def encode(self, texts: Sequence[str]) -> Any:
         """`TokenIds` of the texts, no special tokens: the texts that hold an added token's text
@@ -237,30 +243,47 @@ class PieceTable:
         store = table.store
         if not found.all():
             miss = np.flatnonzero(~found)
-            store, off[miss], count[miss] = self._misses(buf, start[miss], length[miss], table)
+            store, off[miss], count[miss] = self._misses(buf, start[miss], length[miss], keys[:, miss], table)
         ids = store[off] if (count == 1).all() else store[
             np.repeat(off - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))]
         first_piece = np.searchsorted(start, text_start)
         tokens_cu = np.concatenate(([0], np.cumsum(count)))
         return TokenIds.from_lengths(ids, np.diff(tokens_cu[np.append(first_piece, len(start))]))
 
-    def _misses(self, buf: bytes, start: np.ndarray, length: np.ndarray, table: _Table
+    def _misses(self, buf: bytes, start: np.ndarray, length: np.ndarray, keys: np.ndarray, table: _Table
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tokenize the distinct pieces not in `table`, add the short ones to it; (the store the
-        offsets index, each missed piece's offset, its count)."""
+        """Tokenize the distinct pieces not in `table` and add the short ones to it. Return: (the
+        store the offsets index, each missed piece's offset, its count)."""
+        first: dict[str, int] = {}  # distinct piece -> its first miss
         text = [buf[s:s + n].decode("ascii") for s, n in zip(start.tolist(), length.tolist())]
-        distinct = list(dict.fromkeys(text))
-        got = [e.ids for e in encodings(self._backend, distinct)]
-        where = {p: k for k, p in enumerate(distinct)}
-        count_D = np.fromiter(map(len, got), dtype=np.int64, count=len(got))
-        off_D = len(table.store) + np.cumsum(count_D) - count_D
-        store = np.concatenate((table.store, np.fromiter((i for x in got for i in x), dtype=np.int64,
-                                                         count=int(count_D.sum()))))
-        pick = np.fromiter(map(where.__getitem__, text), dtype=np.int64, count=len(text))
-        short = [k for k, p in enumerate(distinct) if len(p) <= _KEY_BYTES and len(got[k]) < 256]
-        if short and len(table.value_E) + len(short) <= _CAPACITY:
-            self._table = self._with(table, [distinct[k] for k in short], [got[k] for k in short])
-        return store, off_D[pick], count_D[pick]
+        for i, p in enumerate(text):
+            first.setdefault(p, i)
+        at = np.fromiter(first.values(), dtype=np.int64, count=len(first))
+        rank = {p: k for k, p in enumerate(first)}
+        ids, count = self._tokenize(list(first))
+        off = len(table.store) + np.cumsum(count) - count
+        store = np.concatenate((table.store, ids))
+        keep = np.flatnonzero((length[at] <= _KEY_BYTES) & (count < 256))
+        if keep.size and len(table.value_E) + keep.size <= _CAPACITY:
+            value = (off[keep] << 8 | count[keep]).astype(np.uint64)
+            self._table = table.added(keys[:, at[keep]], value, store)
+        pick = np.fromiter(map(rank.__getitem__, text), dtype=np.int64, count=len(text))
+        return store, off[pick], count[pick]
+
+    def _tokenize(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of the pieces back to back, (D,) ids per piece). The pieces go to the tokenizer
+        joined by spaces, a few texts of many pieces (not one text each: the library's Python
+        object per text costs more than the tokenizing), and each token's word index says which
+        piece it came from: pieces are tokenized one by one either way."""
+        D = len(pieces)
+        bounds = np.linspace(0, D, min(16, D // 256) + 2, dtype=np.int64)  # (the library spreads texts over its threads)
+        spans = [(a, z) for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if z > a]
+        encs = self._backend.encode_batch([" ".join(pieces[a:z]) for a, z in spans])
+        ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encs] + [np.zeros(0, dtype=np.int64)])
+        count = np.concatenate([np.bincount(np.asarray(e.word_ids, dtype=np.int64), minlength=z - a)
+                                for e, (a, z) in zip(encs, spans)] + [np.zeros(0, dtype=np.int64)])
+        assert len(count) == D and count.sum() == len(ids), "one word index per piece"
+        return ids, count
 
 
 def _one_piece(word: str) -> bool:
