@@ -145,3 +145,30 @@ def test_another_model_starts_empty_and_fills_from_its_own_output():
     got, _ = lean.encode_ids(texts, None)
     assert got.tolist() == [e.ids for e in base.encode_batch(texts)] == [[1, 2, 3], [1, 0, 4, 2], [0]]
     assert len(lean.table._table.value_E) == 6  # hello world ! , a nope
+
+
+def test_threads_sharing_one_table_get_their_own_ids():
+    """embed tokenizes on a background thread while the caller may tokenize too: each call reads
+    one table, and a grown table replaces it whole."""
+    import threading
+
+    backend = _lean_backend()
+    table = PieceTable(backend, lower=True)
+    batches = [_clean(ascii_fuzz(60, seed=40 + k)) for k in range(6)]
+    got, errors = {}, []
+
+    def work(k):
+        try:
+            for _ in range(3):
+                got[k] = table.encode(batches[k]).tolist()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for k, texts in enumerate(batches):
+        assert got[k] == _want(backend, texts).tolist()
