@@ -139,3 +139,13 @@ def test_lean_twin_needs_bert_pieces_and_fixed_specials():
     base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
     base.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     assert lean_twin(base) is None  # not the BERT split: tabs and newlines may matter
+
+
+def test_lean_texts_refuse_exactly_the_cleaned_controls():
+    """lean_texts finds controls by byte compares: the same set as the cleaning regex, byte by byte."""
+    import re
+
+    from packedenc.text.ascii_twin import _CONTROL, lean_texts
+
+    chars = [chr(c) for c in range(128)]
+    assert lean_texts([f"a{c}b" for c in chars]).tolist() == [not re.fullmatch(_CONTROL, c) for c in chars]

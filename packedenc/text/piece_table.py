@@ -40,31 +40,27 @@ _WORDS = 3                 # uint64 words of a key: pieces of up to 24 bytes liv
 _KEY_BYTES = 8 * _WORDS
 _CAPACITY = 1 << 18        # entries; at most 2^19 slots of 32 bytes
 _PUNCT = b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"
-# byte -> 0 whitespace (space, tab, newline, return: the lean twin's texts hold no other
-# control), 1 letter / digit / other printable, 2 ASCII punctuation (a piece on its own)
-_CLASS = np.zeros(256, dtype=np.uint8)
-_CLASS[33:127] = 1
-_CLASS[np.frombuffer(_PUNCT, dtype=np.uint8)] = 2
 _MASK = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64)  # the low k bytes
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
                 dtype=np.uint64)
 
 
 def _pieces(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(P,) start and (P,) length of every piece of `buf` (ASCII; 24 zero bytes of padding at its
-    end, which are whitespace)."""
-    cls = np.take(_CLASS, np.frombuffer(buf, dtype=np.uint8))  # (take: a fraction of [] indexing's time)
-    word = cls == 1
-    punct = cls == 2
-    after = np.empty_like(word)  # the byte before is a letter
-    after[0] = False
-    after[1:] = word[:-1]
-    before = np.empty_like(word)  # the byte after is a letter
-    before[-1] = False
-    before[:-1] = word[1:]
-    start = np.flatnonzero(punct | (word & ~after))
-    end = np.flatnonzero(punct | (word & ~before))
-    return start, end - start + 1
+    """(P,) start and (P,) length of every piece of `buf` (ASCII, ending in 24 spaces of padding).
+    Classes by uint8 compares (wrapping subtraction: one compare a
+    range), several times faster than a 256-entry table gathered by every byte."""
+    b = np.frombuffer(buf, dtype=np.uint8)
+    word = ((b | np.uint8(32)) - np.uint8(97) < 26) | (b - np.uint8(48) < 10)  # a-z, A-Z, 0-9
+    punct = b - np.uint8(33) < 94  # printable, then less the letters and digits
+    punct &= ~word
+    start = word.copy()  # a letter after a non-letter, or punctuation
+    start[1:] &= ~word[:-1]
+    start |= punct
+    end = word  # a letter before a non-letter, or punctuation
+    end[:-1] &= ~word[1:]
+    end |= punct
+    s = np.flatnonzero(start)
+    return s, np.flatnonzero(end) - s + 1
 
 
 def _keys(buf: bytes, start: np.ndarray, length: np.ndarray) -> np.ndarray:
