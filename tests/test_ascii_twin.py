@@ -149,3 +149,44 @@ def test_lean_texts_refuse_exactly_the_cleaned_controls():
 
     chars = [chr(c) for c in range(128)]
     assert lean_texts([f"a{c}b" for c in chars]).tolist() == [not re.fullmatch(_CONTROL, c) for c in chars]
+
+
+def _wide_texts(n, seed):
+    """English-like texts with curly quotes, dashes, ellipses (the lean twin's wide punctuation)
+    and, in some texts, characters it must refuse (accents, an emoji, a no-break space, CJK)."""
+    import random
+
+    from packedenc.text.ascii_twin import _WIDE
+
+    rng = random.Random(seed)
+    words = ["don", "t", "it", "s", "The", "QUICK", "brown", "fox", "naive", "e-mail", "3.14", "x", "[MASK]"]
+    refused = ["café", "🙂", "a\u00a0b", "日本", "ﬁ", "\u0301", "Ⅻ"]
+    out = []
+    for i in range(n):
+        parts = [rng.choice(words + list(_WIDE) + [" ", "", "\t", "'"]) for _ in range(rng.randrange(0, 30))]
+        if i % 5 == 0:
+            parts.insert(rng.randrange(len(parts) + 1), rng.choice(refused))
+        out.append(("" if i % 3 else " ").join(parts))
+    return out
+
+
+@pytest.mark.parametrize("max_length", [None, 8, 256])
+def test_wide_punctuation_takes_the_lean_path_with_the_same_ids(max_length):
+    """Texts whose only non-ASCII characters are the probed punctuation go through the lean twin
+    (and its piece table); others with accents, emoji, CJK, ... through the original: the ids and
+    cut indices equal the original tokenizer's either way."""
+    from packedenc.text.ascii_twin import _WIDE, lean_texts
+
+    tok = pe.tokenizer(gt.get_model_path())
+    lean = tok._lean()
+    assert lean.wide == frozenset(_WIDE) and "’" in lean.wide
+    texts = _wide_texts(400, seed=max_length or 0)
+    fast = lean_texts(texts, lean.wide)
+    assert fast.sum() > 200 and (~fast).sum() > 40
+    assert all(f == all(c < "\x80" or c in lean.wide for c in t) for t, f in zip(texts, fast.tolist()))
+    base, _ = tok._truncating(max_length)
+    enc = base.encode_batch(texts)
+    for _ in range(2):  # the second time from a table that holds the first call's pieces
+        ids, cut = tok.encode_ids(texts, max_length)
+        assert ids.tolist() == [e.ids for e in enc]
+        assert cut == [i for i, e in enumerate(enc) if e.overflowing]

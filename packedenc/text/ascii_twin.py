@@ -19,12 +19,17 @@ return into spaces changes no piece (the split drops all four alike), so lowerca
 normalizer. It also leaves out the post-processor and the truncation: the caller adds the special
 tokens the post-processor puts around every text and cuts to the limit on flat arrays
 (`TokenIds.wrapped`), cheaper than the library's per-text merges and overflow pieces
-(benchmarks/NOTES.md, "lean twin").
+(benchmarks/NOTES.md, "lean twin"). It also takes texts whose only non-ASCII characters are common
+punctuation (curly quotes, dashes, the ellipsis, ...: `_WIDE`): a BertNormalizer leaves each as it
+is (no decomposition, no case) and the BertPreTokenizer makes it a piece of its own, so the twin's
+split lists them with ASCII punctuation. Each is probed against the original tokenizer first;
+`Lean.wide` holds those that passed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import unicodedata
 from typing import Any, Sequence
 
 import numpy as np
@@ -41,6 +46,9 @@ _BREAKS = "[\t\n\r]"
 # character (kept alone: !"#$%&'()*+,-./ :;<=>?@ [\]^_` {|}~), in one regex pass instead of two
 _PUNCT = r"!-/:-@\[-`{-~"
 _PIECES = f"[{_PUNCT}]|[^\\s{_PUNCT}]+"
+# Non-ASCII punctuation of English text: unchanged by NFD and lowercasing, split alone by BERT
+_WIDE = "".join(c for c in "¡§«¶·»¿‐‑‒–—―‘’‚‛“”„‟†‡•…‰′″‹›、。〈〉《》「」『』【】"
+                if unicodedata.category(c).startswith("P") and unicodedata.normalize("NFD", c) == c == c.lower())
 
 
 def ascii_twin(backend: Any) -> Any | None:
@@ -110,6 +118,7 @@ class Lean:
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
     table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` of backend
+    wide: frozenset = frozenset()  # the non-ASCII punctuation (`_WIDE`) this twin splits as the original
 
     def takes(self, max_length: int | None) -> bool:
         """Whether a limit leaves room for text between the special tokens."""
@@ -117,7 +126,7 @@ class Lean:
 
     def encode_ids(self, texts: list[str], max_length: int | None) -> tuple[Any, np.ndarray]:
         """(`TokenIds` of the full encodings, (C,) indices of the texts cut to `max_length`) for
-        texts `lean_texts` accepts."""
+        texts `lean_texts(texts, self.wide)` accepts."""
         bare = (TokenIds.from_encodings(encodings(self.backend, texts)) if self.table is None
                 else self.table.encode(texts))
         keep = None if max_length is None else max_length - len(self.prefix) - len(self.suffix)
@@ -142,7 +151,8 @@ def lean_twin(backend) -> Lean | None:
     lower = any(isinstance(p, normalizers.Lowercase) or p.lowercase for p in parts)
     lean = _Tok.from_str(backend.to_str())
     lean.normalizer = normalizers.Lowercase() if lower else None
-    lean.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="removed", invert=True)
+    punct = _PUNCT + _WIDE  # (none of them is special inside a regex class)
+    lean.pre_tokenizer = pre_tokenizers.Split(Regex(f"[{punct}]|[^\\s{punct}]+"), behavior="removed", invert=True)
     lean.post_processor = None
     lean.no_truncation()
     lean.no_padding()
@@ -156,22 +166,31 @@ def lean_twin(backend) -> Lean | None:
     if len(around) != 1:
         return None
     prefix, suffix = around.pop()
-    return Lean(lean, prefix, suffix, PieceTable(lean, lower))
+    wide = frozenset(c for c in _WIDE if backend.encode(f"a{c}b{c}{c}").ids
+                     == [*prefix, *lean.encode(f"a{c}b{c}{c}").ids, *suffix])
+    return Lean(lean, prefix, suffix, PieceTable(lean, lower, wide), wide)
 
 
-def lean_texts(texts: Sequence[str]) -> np.ndarray:
-    """(N,) bool: the texts a lean twin takes (ASCII, no control character but tab / newline / return)."""
+def lean_texts(texts: Sequence[str], wide: frozenset = frozenset()) -> np.ndarray:
+    """(N,) bool: the texts a lean twin takes: ASCII but for characters of `wide` (its `Lean.wide`),
+    no control character but tab / newline / return."""
     ok = np.fromiter(map(str.isascii, texts), dtype=bool, count=len(texts))
+    if wide and not ok.all():
+        for i in np.flatnonzero(~ok).tolist():
+            ok[i] = all(c < "\x80" or c in wide for c in set(texts[i]))
     idx = np.flatnonzero(ok)
     if idx.size == 0:
         return ok
     picked = texts if idx.size == len(texts) else [texts[i] for i in idx.tolist()]
-    b = np.frombuffer("".join(picked).encode("ascii"), dtype=np.uint8)
+    joined = "".join(picked).encode("utf-8")
+    b = np.frombuffer(joined, dtype=np.uint8)
     # the controls BertNormalizer's cleaning removes (_CONTROL: 0-8, 11, 12, 14-31, 127), by uint8
-    # compares: a 256-entry table gathered by every byte takes several times longer
+    # compares: a 256-entry table gathered by every byte takes several times longer (a character
+    # of `wide` is bytes >= 0x80 in UTF-8: never one of these)
     bad = (b - np.uint8(14) < 18) | (b < 9) | (b == 11) | (b == 12) | (b == 127)
     if bad.any():
-        ends = np.cumsum(np.fromiter(map(len, picked), dtype=np.int64, count=len(picked)))
+        sizes = map(len, picked if len(joined) == sum(map(len, picked)) else map(str.encode, picked))
+        ends = np.cumsum(np.fromiter(sizes, dtype=np.int64, count=len(picked)))
         seen = np.concatenate(([0], np.cumsum(bad)))
         ok[idx[seen[ends] != seen[np.concatenate(([0], ends[:-1]))]]] = False
     return ok

@@ -46,9 +46,10 @@ _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD
 
 
 def _pieces(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(P,) start and (P,) length of every piece of `buf` (ASCII, ending in 24 spaces of padding).
-    Classes by uint8 compares (wrapping subtraction: one compare a
-    range), several times faster than a 256-entry table gathered by every byte."""
+    """(P,) start and (P,) length in bytes of every piece of `buf` (UTF-8 whose only non-ASCII
+    characters are punctuation, each a piece of its own; ending in 24 spaces of padding). Classes
+    by uint8 compares (wrapping subtraction: one compare a range), several times faster than a
+    256-entry table gathered by every byte."""
     b = np.frombuffer(buf, dtype=np.uint8)
     word = ((b | np.uint8(32)) - np.uint8(97) < 26) | (b - np.uint8(48) < 10)  # a-z, A-Z, 0-9
     punct = b - np.uint8(33) < 94  # printable, then less the letters and digits
@@ -59,6 +60,12 @@ def _pieces(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
     end = word  # a letter before a non-letter, or punctuation
     end[:-1] &= ~word[1:]
     end |= punct
+    if len(buf) and b.max() >= 0x80:  # a non-ASCII character: its lead byte starts it, its last byte ends it
+        lead, cont = b >= 0xC0, (b & np.uint8(0xC0)) == 0x80
+        start |= lead
+        last = lead | cont
+        last[:-1] &= ~cont[1:]
+        end |= last
     s = np.flatnonzero(start)
     return s, np.flatnonzero(end) - s + 1
 
@@ -166,7 +173,7 @@ class PieceTable:
     """Pieces -> token ids for one lean twin (`backend`: no normalizer but lowercasing, no
     post-processor, no truncation). `encode(texts)` -> `TokenIds` without special tokens."""
 
-    def __init__(self, backend: Any, lower: bool):
+    def __init__(self, backend: Any, lower: bool, wide: frozenset = frozenset()):
         from tokenizers import models
 
         self._backend = backend
@@ -175,15 +182,15 @@ class PieceTable:
         # matched before the pieces are cut, in the text as normalised (lowercased or not)
         self._added: dict[bytes, list[bytes]] = {}  # by first byte: most texts hold none of them
         for c in added:
-            if c and c.isascii():
-                c = (c.lower() if lower else c).encode("ascii")
+            if c:
+                c = (c.lower() if lower else c).encode("utf-8")
                 self._added.setdefault(c[:1], []).append(c)
         words, ids = [], []
         model = backend.model
         if isinstance(model, models.WordPiece):
             limit = min(_KEY_BYTES, model.max_input_chars_per_word)
             for w, i in backend.get_vocab().items():
-                if w.isascii() and 0 < len(w) <= limit and (not lower or w == w.lower()) and _one_piece(w):
+                if 0 < len(w) <= limit and (not lower or w == w.lower()) and _one_piece(w, wide):
                     words.append(w)
                     ids.append(i)
         self._table = self._seeded(words, ids)
@@ -191,7 +198,7 @@ class PieceTable:
     @staticmethod
     def _seeded(words: Sequence[str], ids: Sequence[int]) -> _Table:
         """A table of the one-token pieces `words` (each at most 24 bytes)."""
-        buf = (" ".join(words) + " " * _KEY_BYTES).encode("ascii")
+        buf = (" ".join(words) + " " * _KEY_BYTES).encode("utf-8")
         start, length = _pieces(buf)
         assert len(start) == len(words) and (length <= _KEY_BYTES).all(), "every word is one short piece"
         store = np.asarray(ids, dtype=np.int64)
@@ -204,8 +211,9 @@ class PieceTable:
         joined = " ".join(texts)
         if self._lower:
             joined = joined.lower()
-        buf = (joined + " " * _KEY_BYTES).encode("ascii")
-        text_len = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        buf = (joined + " " * _KEY_BYTES).encode("utf-8")
+        sizes = map(len, texts if len(buf) == len(joined) + _KEY_BYTES else map(str.encode, texts))  # in bytes
+        text_len = np.fromiter(sizes, dtype=np.int64, count=len(texts))
         text_start = np.cumsum(text_len + 1) - text_len - 1
         held = self._holding_added(buf, text_start)
         if held.size == 0:
@@ -251,7 +259,7 @@ class PieceTable:
         """Tokenize the distinct pieces not in `table` and add the short ones to it. Return: (the
         store the offsets index, each missed piece's offset, its count)."""
         first: dict[str, int] = {}  # distinct piece -> its first miss
-        text = [buf[s:s + n].decode("ascii") for s, n in zip(start.tolist(), length.tolist())]
+        text = [buf[s:s + n].decode("utf-8") for s, n in zip(start.tolist(), length.tolist())]
         for i, p in enumerate(text):
             first.setdefault(p, i)
         at = np.fromiter(first.values(), dtype=np.int64, count=len(first))
@@ -282,7 +290,9 @@ class PieceTable:
         return ids, count
 
 
-def _one_piece(word: str) -> bool:
-    """Whether the ASCII `word` is one piece: one punctuation character, or letters and digits
-    (the printable ASCII bytes that are neither whitespace nor punctuation)."""
-    return word.isalnum() or (len(word) == 1 and word.encode("ascii") in _PUNCT)
+def _one_piece(word: str, wide: frozenset) -> bool:
+    """Whether `word` is one piece: one punctuation character (ASCII, or of `wide`), or ASCII
+    letters and digits."""
+    if len(word) == 1 and (word in wide or word.encode("utf-8") in _PUNCT):
+        return True
+    return word.isascii() and word.isalnum()
