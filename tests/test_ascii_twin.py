@@ -159,8 +159,9 @@ def _wide_texts(n, seed):
     from packedenc.text.ascii_twin import _WIDE
 
     rng = random.Random(seed)
-    words = ["don", "t", "it", "s", "The", "QUICK", "brown", "fox", "naive", "e-mail", "3.14", "x", "[MASK]"]
-    refused = ["café", "🙂", "a\u00a0b", "日本", "ﬁ", "\u0301", "Ⅻ"]
+    words = ["don", "t", "it", "s", "The", "QUICK", "brown", "fox", "naive", "e-mail", "3.14", "x", "[MASK]",
+             "café", "NAÏVE", "Ångström", "résumé", "e\u0301", "\u0301", "Żółw"]
+    refused = ["🙂", "a\u00a0b", "日本", "ﬁ", "Ⅻ", "straße", "æther"]
     out = []
     for i in range(n):
         parts = [rng.choice(words + list(_WIDE) + [" ", "", "\t", "'"]) for _ in range(rng.randrange(0, 30))]
@@ -172,21 +173,41 @@ def _wide_texts(n, seed):
 
 @pytest.mark.parametrize("max_length", [None, 8, 256])
 def test_wide_punctuation_takes_the_lean_path_with_the_same_ids(max_length):
-    """Texts whose only non-ASCII characters are the probed punctuation go through the lean twin
-    (and its piece table); others with accents, emoji, CJK, ... through the original: the ids and
-    cut indices equal the original tokenizer's either way."""
+    """Texts whose only non-ASCII characters are the probed punctuation and (uncased: accents
+    stripped) accented Latin letters go through the lean twin and its piece table; others with
+    emoji, CJK, ß, ... through the original: the ids and cut indices equal the original's either way."""
     from packedenc.text.ascii_twin import _WIDE, lean_texts
 
     tok = pe.tokenizer(gt.get_model_path())
     lean = tok._lean()
     assert lean.wide == frozenset(_WIDE) and "’" in lean.wide
+    assert {chr(k) for k in lean.fold} >= set("éÏÅ\u0301żó") and "ß" not in {chr(k) for k in lean.fold}
     texts = _wide_texts(400, seed=max_length or 0)
-    fast = lean_texts(texts, lean.wide)
+    fast = lean_texts(texts, lean.takes_chars)
     assert fast.sum() > 200 and (~fast).sum() > 40
-    assert all(f == all(c < "\x80" or c in lean.wide for c in t) for t, f in zip(texts, fast.tolist()))
+    assert all(f == all(c < "\x80" or c in lean.takes_chars for c in t) for t, f in zip(texts, fast.tolist()))
     base, _ = tok._truncating(max_length)
     enc = base.encode_batch(texts)
     for _ in range(2):  # the second time from a table that holds the first call's pieces
         ids, cut = tok.encode_ids(texts, max_length)
         assert ids.tolist() == [e.ids for e in enc]
         assert cut == [i for i, e in enumerate(enc) if e.overflowing]
+
+
+def test_a_cased_tokenizer_keeps_accents_off_the_lean_path():
+    """Without accent stripping no accented letter folds (each probe disagrees): such texts go to
+    the original, the wide punctuation still takes the lean path, and the ids stay the original's."""
+    from tokenizers import normalizers
+
+    from packedenc.text.ascii_twin import lean_twin
+
+    base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
+    base.no_truncation()
+    base.normalizer = normalizers.BertNormalizer(lowercase=False)
+    lean = lean_twin(base)
+    assert lean is not None and not lean.fold and "’" in lean.wide
+    from packedenc.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(base, None)
+    texts = _wide_texts(200, seed=9)
+    assert tok.encode_ids(texts)[0].tolist() == [e.ids for e in base.encode_batch(texts)]

@@ -23,13 +23,18 @@ tokens the post-processor puts around every text and cuts to the limit on flat a
 punctuation (curly quotes, dashes, the ellipsis, ...: `_WIDE`): a BertNormalizer leaves each as it
 is (no decomposition, no case) and the BertPreTokenizer makes it a piece of its own, so the twin's
 split lists them with ASCII punctuation. Each is probed against the original tokenizer first;
-`Lean.wide` holds those that passed.
+`Lean.wide` holds those that passed. Where the original strips accents (uncased models: NFD, then
+the combining marks go), a Latin letter with accents is its ASCII base letter and a combining mark
+is nothing (`_FOLD`, probed the same way): `Lean.fold` maps them (`str.translate`) before the lean
+path, so "café" and "naïve" stay on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import unicodedata
+from itertools import chain
 from typing import Any, Sequence
 
 import numpy as np
@@ -49,6 +54,21 @@ _PIECES = f"[{_PUNCT}]|[^\\s{_PUNCT}]+"
 # Non-ASCII punctuation of English text: unchanged by NFD and lowercasing, split alone by BERT
 _WIDE = "".join(c for c in "¡§«¶·»¿‐‑‒–—―‘’‚‛“”„‟†‡•…‰′″‹›、。〈〉《》「」『』【】"
                 if unicodedata.category(c).startswith("P") and unicodedata.normalize("NFD", c) == c == c.lower())
+
+
+def _fold_candidates() -> dict[str, str]:
+    """Latin letters whose NFD is an ASCII letter and combining marks (-> that letter), and the
+    combining marks (-> nothing): what stripping accents does to them."""
+    out = {}
+    for c in map(chr, chain(range(0xC0, 0x250), range(0x1E00, 0x1F00))):
+        base = "".join(ch for ch in unicodedata.normalize("NFD", c) if unicodedata.category(ch) != "Mn")
+        if base != c and len(base) == 1 and base.isascii() and base.isalpha():
+            out[c] = base
+    out.update((chr(cp), "") for cp in range(0x300, 0x370) if unicodedata.category(chr(cp)) == "Mn")
+    return out
+
+
+_FOLD = _fold_candidates()
 
 
 def ascii_twin(backend: Any) -> Any | None:
@@ -119,6 +139,12 @@ class Lean:
     suffix: tuple[int, ...]
     table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` of backend
     wide: frozenset = frozenset()  # the non-ASCII punctuation (`_WIDE`) this twin splits as the original
+    fold: dict = dataclasses.field(default_factory=dict, repr=False)  # str.translate table: accents stripped
+
+    @functools.cached_property
+    def takes_chars(self) -> frozenset:
+        """The non-ASCII characters a text may hold and still take the lean path."""
+        return self.wide | frozenset(map(chr, self.fold))
 
     def takes(self, max_length: int | None) -> bool:
         """Whether a limit leaves room for text between the special tokens."""
@@ -126,7 +152,9 @@ class Lean:
 
     def encode_ids(self, texts: list[str], max_length: int | None) -> tuple[Any, np.ndarray]:
         """(`TokenIds` of the full encodings, (C,) indices of the texts cut to `max_length`) for
-        texts `lean_texts(texts, self.wide)` accepts."""
+        texts `lean_texts(texts, self.takes_chars)` accepts."""
+        if self.fold:
+            texts = [t if t.isascii() else t.translate(self.fold) for t in texts]
         bare = (TokenIds.from_encodings(encodings(self.backend, texts)) if self.table is None
                 else self.table.encode(texts))
         keep = None if max_length is None else max_length - len(self.prefix) - len(self.suffix)
@@ -166,18 +194,32 @@ def lean_twin(backend) -> Lean | None:
     if len(around) != 1:
         return None
     prefix, suffix = around.pop()
-    wide = frozenset(c for c in _WIDE if backend.encode(f"a{c}b{c}{c}").ids
-                     == [*prefix, *lean.encode(f"a{c}b{c}{c}").ids, *suffix])
-    return Lean(lean, prefix, suffix, PieceTable(lean, lower, wide), wide)
+    wide = frozenset(c for c in _WIDE if _same_ids(backend, lean, prefix, suffix, c, c))
+    # accents go where a BertNormalizer strips them (strip_accents, or lowercase when it is unset);
+    # the probes check each letter too (alone they could agree by chance: both [UNK])
+    strips = any(isinstance(p, normalizers.BertNormalizer)
+                 and (p.strip_accents or (p.strip_accents is None and p.lowercase)) for p in parts)
+    fold = {ord(c): b for c, b in _FOLD.items() if strips and _same_ids(backend, lean, prefix, suffix, c, b)}
+    return Lean(lean, prefix, suffix, PieceTable(lean, lower, wide), wide, fold)
 
 
-def lean_texts(texts: Sequence[str], wide: frozenset = frozenset()) -> np.ndarray:
-    """(N,) bool: the texts a lean twin takes: ASCII but for characters of `wide` (its `Lean.wide`),
-    no control character but tab / newline / return."""
+def _same_ids(backend: Any, lean: Any, prefix: tuple, suffix: tuple, c: str, twin_c: str) -> bool:
+    """Whether texts holding `c` encode in the original as the same texts with `twin_c` in its
+    place do through the twin (with the specials around): alone, inside a word, repeated, after a
+    space, after a capital."""
+    probes = ("{}", "a{}b", "{}{} x{}", "E{}.", "the {} end")
+    full = backend.encode_batch([p.format(c, c, c) for p in probes])
+    twin = lean.encode_batch([p.format(twin_c, twin_c, twin_c) for p in probes])
+    return all(f.ids == [*prefix, *t.ids, *suffix] for f, t in zip(full, twin))
+
+
+def lean_texts(texts: Sequence[str], chars: frozenset = frozenset()) -> np.ndarray:
+    """(N,) bool: the texts a lean twin takes: ASCII but for characters of `chars` (its
+    `Lean.takes_chars`), no control character but tab / newline / return."""
     ok = np.fromiter(map(str.isascii, texts), dtype=bool, count=len(texts))
-    if wide and not ok.all():
+    if chars and not ok.all():
         for i in np.flatnonzero(~ok).tolist():
-            ok[i] = all(c < "\x80" or c in wide for c in set(texts[i]))
+            ok[i] = all(c < "\x80" or c in chars for c in set(texts[i]))
     idx = np.flatnonzero(ok)
     if idx.size == 0:
         return ok
@@ -185,8 +227,8 @@ def lean_texts(texts: Sequence[str], wide: frozenset = frozenset()) -> np.ndarra
     joined = "".join(picked).encode("utf-8")
     b = np.frombuffer(joined, dtype=np.uint8)
     # the controls BertNormalizer's cleaning removes (_CONTROL: 0-8, 11, 12, 14-31, 127), by uint8
-    # compares: a 256-entry table gathered by every byte takes several times longer (a character
-    # of `wide` is bytes >= 0x80 in UTF-8: never one of these)
+    # compares: a 256-entry table gathered by every byte takes several times longer (a non-ASCII
+    # character is bytes >= 0x80 in UTF-8: never one of these)
     bad = (b - np.uint8(14) < 18) | (b < 9) | (b == 11) | (b == 12) | (b == 127)
     if bad.any():
         sizes = map(len, picked if len(joined) == sum(map(len, picked)) else map(str.encode, picked))
