@@ -25,14 +25,15 @@ is (no decomposition, no case) and the BertPreTokenizer makes it a piece of its 
 split lists them with ASCII punctuation. Each is probed against the original tokenizer first;
 `Lean.wide` holds those that passed. Where the original strips accents (uncased models: NFD, then
 the combining marks go), a Latin letter with accents is its ASCII base letter and a combining mark
-is nothing (`_FOLD`, probed the same way): `Lean.fold` maps them (`str.translate`) before the lean
-path, so "café" and "naïve" stay on it.
+is nothing (`_FOLD`, probed the same way): `Lean.fold` holds them, and the lean path takes a text
+holding them after NFD and dropping the marks, so "café" and "naïve" stay on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import unicodedata
 from itertools import chain
 from typing import Any, Sequence
@@ -56,14 +57,17 @@ _WIDE = "".join(c for c in "¡§«¶·»¿‐‑‒–—―‘’‚‛“”�
                 if unicodedata.category(c).startswith("P") and unicodedata.normalize("NFD", c) == c == c.lower())
 
 
+_MARKS = re.compile("[\u0300-\u036f]+")  # the combining diacritical marks (all Mn)
+
+
 def _fold_candidates() -> dict[str, str]:
     """Latin letters whose NFD is an ASCII letter and combining marks (-> that letter), and the
     combining marks (-> nothing): what stripping accents does to them."""
     out = {}
     for c in map(chr, chain(range(0xC0, 0x250), range(0x1E00, 0x1F00))):
-        base = "".join(ch for ch in unicodedata.normalize("NFD", c) if unicodedata.category(ch) != "Mn")
-        if base != c and len(base) == 1 and base.isascii() and base.isalpha():
-            out[c] = base
+        d = unicodedata.normalize("NFD", c)
+        if len(d) > 1 and d[0].isascii() and d[0].isalpha() and _MARKS.fullmatch(d[1:]):
+            out[c] = d[0]
     out.update((chr(cp), "") for cp in range(0x300, 0x370) if unicodedata.category(chr(cp)) == "Mn")
     return out
 
@@ -139,12 +143,12 @@ class Lean:
     suffix: tuple[int, ...]
     table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` of backend
     wide: frozenset = frozenset()  # the non-ASCII punctuation (`_WIDE`) this twin splits as the original
-    fold: dict = dataclasses.field(default_factory=dict, repr=False)  # str.translate table: accents stripped
+    fold: dict = dataclasses.field(default_factory=dict, repr=False)  # code point -> its letter without accents
 
     @functools.cached_property
-    def takes_chars(self) -> frozenset:
-        """The non-ASCII characters a text may hold and still take the lean path."""
-        return self.wide | frozenset(map(chr, self.fold))
+    def refuse(self) -> re.Pattern:
+        """A character that keeps a text off the lean path: non-ASCII, neither wide nor folded."""
+        return re.compile(f"[^\\x00-\\x7f{''.join(sorted(self.wide | set(map(chr, self.fold))))}]")
 
     def takes(self, max_length: int | None) -> bool:
         """Whether a limit leaves room for text between the special tokens."""
@@ -152,9 +156,9 @@ class Lean:
 
     def encode_ids(self, texts: list[str], max_length: int | None) -> tuple[Any, np.ndarray]:
         """(`TokenIds` of the full encodings, (C,) indices of the texts cut to `max_length`) for
-        texts `lean_texts(texts, self.takes_chars)` accepts."""
-        if self.fold:
-            texts = [t if t.isascii() else t.translate(self.fold) for t in texts]
+        texts `lean_texts(texts, self.refuse)` accepts."""
+        if self.fold:  # on these texts NFD then dropping the marks is `fold` (C speed; str.translate is not)
+            texts = [t if t.isascii() else _MARKS.sub("", unicodedata.normalize("NFD", t)) for t in texts]
         bare = (TokenIds.from_encodings(encodings(self.backend, texts)) if self.table is None
                 else self.table.encode(texts))
         keep = None if max_length is None else max_length - len(self.prefix) - len(self.suffix)
@@ -213,13 +217,13 @@ def _same_ids(backend: Any, lean: Any, prefix: tuple, suffix: tuple, c: str, twi
     return all(f.ids == [*prefix, *t.ids, *suffix] for f, t in zip(full, twin))
 
 
-def lean_texts(texts: Sequence[str], chars: frozenset = frozenset()) -> np.ndarray:
-    """(N,) bool: the texts a lean twin takes: ASCII but for characters of `chars` (its
-    `Lean.takes_chars`), no control character but tab / newline / return."""
+def lean_texts(texts: Sequence[str], refuse: re.Pattern | None = None) -> np.ndarray:
+    """(N,) bool: the texts a lean twin takes: ASCII, or with no character `refuse` (its
+    `Lean.refuse`) finds; no control character but tab / newline / return."""
     ok = np.fromiter(map(str.isascii, texts), dtype=bool, count=len(texts))
-    if chars and not ok.all():
+    if refuse is not None and not ok.all():
         for i in np.flatnonzero(~ok).tolist():
-            ok[i] = all(c < "\x80" or c in chars for c in set(texts[i]))
+            ok[i] = refuse.search(texts[i]) is None
     idx = np.flatnonzero(ok)
     if idx.size == 0:
         return ok

@@ -103,7 +103,7 @@ class Tokenizer:
         lean = self._lean()
         if lean is None or not lean.takes(max_length):
             return self._encode_ids(texts, max_length)
-        fast_N = lean_texts(texts, lean.takes_chars)
+        fast_N = lean_texts(texts, lean.refuse)
         fi = np.flatnonzero(fast_N)
         if fi.size == 0:
             return self._encode_ids(texts, max_length)
