@@ -160,8 +160,9 @@ def _wide_texts(n, seed):
 
     rng = random.Random(seed)
     words = ["don", "t", "it", "s", "The", "QUICK", "brown", "fox", "naive", "e-mail", "3.14", "x", "[MASK]",
-             "café", "NAÏVE", "Ångström", "résumé", "e\u0301", "\u0301", "Żółw"]
-    refused = ["🙂", "a\u00a0b", "日本", "ﬁ", "Ⅻ", "straße", "æther"]
+             "café", "NAÏVE", "Ångström", "résumé", "e\u0301", "\u0301", "Żółw",
+             "日本語", "中文abc", "北京。", "（注）", "！？", "𠀀"]
+    refused = ["🙂", "a\u00a0b", "ﬁ", "Ⅻ", "straße", "æther", "\uf900", "\U0002b820", "한국", "\u3000"]
     out = []
     for i in range(n):
         parts = [rng.choice(words + list(_WIDE) + [" ", "", "\t", "'"]) for _ in range(rng.randrange(0, 30))]
@@ -173,20 +174,23 @@ def _wide_texts(n, seed):
 
 @pytest.mark.parametrize("max_length", [None, 8, 256])
 def test_wide_punctuation_takes_the_lean_path_with_the_same_ids(max_length):
-    """Texts whose only non-ASCII characters are the probed punctuation and (uncased: accents
-    stripped) accented Latin letters go through the lean twin and its piece table; others with
-    emoji, CJK, ß, ... through the original: the ids and cut indices equal the original's either way."""
+    """Texts whose only non-ASCII characters are the probed punctuation, CJK ideographs and (uncased:
+    accents stripped) accented Latin letters go through the lean twin and its piece table; others
+    with emoji, Hangul, ß, compatibility ideographs, ... through the original: the ids and cut
+    indices equal the original's either way."""
     from packedenc.text.ascii_twin import _WIDE, lean_texts
 
     tok = pe.tokenizer(gt.get_model_path())
     lean = tok._lean()
-    assert lean.wide == frozenset(_WIDE) and "’" in lean.wide
+    assert lean.wide == frozenset(_WIDE) and "’" in lean.wide and "。" in lean.wide and lean.cjk
     assert {chr(k) for k in lean.fold} >= set("éÏÅ\u0301żó") and "ß" not in {chr(k) for k in lean.fold}
     texts = _wide_texts(400, seed=max_length or 0)
     fast = lean_texts(texts, lean.refuse)
     assert fast.sum() > 200 and (~fast).sum() > 40
     takes = lean.wide | {chr(k) for k in lean.fold}
-    assert all(f == all(c < "\x80" or c in takes for c in t) for t, f in zip(texts, fast.tolist()))
+    from packedenc.text.ascii_twin import is_cjk
+
+    assert all(f == all(c < "\x80" or c in takes or is_cjk(c) for c in t) for t, f in zip(texts, fast.tolist()))
     base, _ = tok._truncating(max_length)
     enc = base.encode_batch(texts)
     for _ in range(2):  # the second time from a table that holds the first call's pieces

@@ -23,7 +23,8 @@ tokens the post-processor puts around every text and cuts to the limit on flat a
 punctuation (curly quotes, dashes, the ellipsis, ...: `_WIDE`): a BertNormalizer leaves each as it
 is (no decomposition, no case) and the BertPreTokenizer makes it a piece of its own, so the twin's
 split lists them with ASCII punctuation. Each is probed against the original tokenizer first;
-`Lean.wide` holds those that passed. Where the original strips accents (uncased models: NFD, then
+`Lean.wide` holds those that passed. CJK ideographs likewise where the original spaces them out
+(`handle_chinese_chars`; a sample probed): Chinese text takes the lean path too. Where the original strips accents (uncased models: NFD, then
 the combining marks go), a Latin letter with accents is its ASCII base letter and a combining mark
 is nothing (`_FOLD`, probed the same way): `Lean.fold` holds them, and the lean path takes a text
 holding them after NFD and dropping the marks, so "café" and "naïve" stay on it.
@@ -53,8 +54,18 @@ _BREAKS = "[\t\n\r]"
 _PUNCT = r"!-/:-@\[-`{-~"
 _PIECES = f"[{_PUNCT}]|[^\\s{_PUNCT}]+"
 # Non-ASCII punctuation of English text: unchanged by NFD and lowercasing, split alone by BERT
-_WIDE = "".join(c for c in "¡§«¶·»¿‐‑‒–—―‘’‚‛“”„‟†‡•…‰′″‹›、。〈〉《》「」『』【】"
+_WIDE = "".join(c for c in chain("¡§«¶·»¿‐‑‒–—―‘’‚‛“”„‟†‡•…‰′″‹›", map(chr, range(0x3001, 0x3040)),
+                                  map(chr, range(0xFF01, 0xFF66)))  # (CJK and fullwidth punctuation)
                 if unicodedata.category(c).startswith("P") and unicodedata.normalize("NFD", c) == c == c.lower())
+# CJK ideographs: a BertNormalizer with handle_chinese_chars puts spaces around each, so each is a
+# piece of its own (BERT's ranges, less the compatibility ideographs, which NFD changes, and
+# extension E, where the tokenizers library's range starts at 0x2B920, not BERT's 0x2B820)
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F))
+_CJK = "".join(f"{chr(a)}-{chr(b)}" for a, b in _CJK_RANGES)  # a regex class fragment
+
+
+def is_cjk(c: str) -> bool:
+    return any(a <= ord(c) <= b for a, b in _CJK_RANGES)
 
 
 _MARKS = re.compile("[\u0300-\u036f]+")  # the combining diacritical marks (all Mn)
@@ -143,12 +154,13 @@ class Lean:
     suffix: tuple[int, ...]
     table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` of backend
     wide: frozenset = frozenset()  # the non-ASCII punctuation (`_WIDE`) this twin splits as the original
+    cjk: bool = False  # whether CJK ideographs take the lean path (each a piece, as the original makes it)
     fold: dict = dataclasses.field(default_factory=dict, repr=False)  # code point -> its letter without accents
 
     @functools.cached_property
     def refuse(self) -> re.Pattern:
         """A character that keeps a text off the lean path: non-ASCII, neither wide nor folded."""
-        return re.compile(f"[^\\x00-\\x7f{''.join(sorted(self.wide | set(map(chr, self.fold))))}]")
+        return re.compile(f"[^\\x00-\\x7f{''.join(sorted(self.wide | set(map(chr, self.fold))))}{_CJK if self.cjk else ''}]")
 
     def takes(self, max_length: int | None) -> bool:
         """Whether a limit leaves room for text between the special tokens."""
@@ -183,7 +195,7 @@ def lean_twin(backend) -> Lean | None:
     lower = any(isinstance(p, normalizers.Lowercase) or p.lowercase for p in parts)
     lean = _Tok.from_str(backend.to_str())
     lean.normalizer = normalizers.Lowercase() if lower else None
-    punct = _PUNCT + _WIDE  # (none of them is special inside a regex class)
+    punct = _PUNCT + _WIDE + _CJK  # (no non-ASCII character is special inside a regex class)
     lean.pre_tokenizer = pre_tokenizers.Split(Regex(f"[{punct}]|[^\\s{punct}]+"), behavior="removed", invert=True)
     lean.post_processor = None
     lean.no_truncation()
@@ -199,12 +211,16 @@ def lean_twin(backend) -> Lean | None:
         return None
     prefix, suffix = around.pop()
     wide = frozenset(c for c in _WIDE if _same_ids(backend, lean, prefix, suffix, c, c))
+    cjk = (any(isinstance(p, normalizers.BertNormalizer) and p.handle_chinese_chars for p in parts)
+           and all(_same_ids(backend, lean, prefix, suffix, chr(a + k * (b - a) // 7), chr(a + k * (b - a) // 7))
+                   for a, b in _CJK_RANGES for k in range(8)))
     # accents go where a BertNormalizer strips them (strip_accents, or lowercase when it is unset);
     # the probes check each letter too (alone they could agree by chance: both [UNK])
     strips = any(isinstance(p, normalizers.BertNormalizer)
                  and (p.strip_accents or (p.strip_accents is None and p.lowercase)) for p in parts)
     fold = {ord(c): b for c, b in _FOLD.items() if strips and _same_ids(backend, lean, prefix, suffix, c, b)}
-    return Lean(lean, prefix, suffix, PieceTable(lean, lower, wide), wide, fold)
+    table = PieceTable(lean, lower, lambda c: c in wide or (cjk and is_cjk(c)))
+    return Lean(lean, prefix, suffix, table, wide, cjk, fold)
 
 
 def _same_ids(backend: Any, lean: Any, prefix: tuple, suffix: tuple, c: str, twin_c: str) -> bool:

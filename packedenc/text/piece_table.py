@@ -28,7 +28,7 @@ Shapes: C bytes of the joined texts, P pieces, E table entries, S slots (a power
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -173,7 +173,9 @@ class PieceTable:
     """Pieces -> token ids for one lean twin (`backend`: no normalizer but lowercasing, no
     post-processor, no truncation). `encode(texts)` -> `TokenIds` without special tokens."""
 
-    def __init__(self, backend: Any, lower: bool, wide: frozenset = frozenset()):
+    def __init__(self, backend: Any, lower: bool, alone: Callable[[str], bool] = lambda c: False):
+        """`alone(c)`: whether the non-ASCII character c is a piece of its own in the lean twin's
+        texts (its wide punctuation and CJK ideographs); the vocabulary's such entries are seeds."""
         from tokenizers import models
 
         self._backend = backend
@@ -190,7 +192,7 @@ class PieceTable:
         if isinstance(model, models.WordPiece):
             limit = min(_KEY_BYTES, model.max_input_chars_per_word)
             for w, i in backend.get_vocab().items():
-                if 0 < len(w) <= limit and (not lower or w == w.lower()) and _one_piece(w, wide):
+                if 0 < len(w) <= limit and (not lower or w == w.lower()) and _one_piece(w, alone):
                     words.append(w)
                     ids.append(i)
         self._table = self._seeded(words, ids)
@@ -290,9 +292,9 @@ class PieceTable:
         return ids, count
 
 
-def _one_piece(word: str, wide: frozenset) -> bool:
-    """Whether `word` is one piece: one punctuation character (ASCII, or of `wide`), or ASCII
-    letters and digits."""
-    if len(word) == 1 and (word in wide or word.encode("utf-8") in _PUNCT):
+def _one_piece(word: str, alone: Callable[[str], bool]) -> bool:
+    """Whether `word` is one piece: one punctuation character (ASCII, or one `alone` takes), or
+    ASCII letters and digits."""
+    if len(word) == 1 and (word.encode("utf-8") in _PUNCT or (not word.isascii() and alone(word))):
         return True
     return word.isascii() and word.isalnum()
