@@ -1,8 +1,9 @@
-"""Token ids of ASCII texts by table look-up: the lean twin's pieces found and matched with numpy.
+"""Token ids by table look-up: the lean twin's pieces found and matched with numpy.
 
 The lean twin (`ascii_twin.py`) reduces a BERT-style tokenizer on clean ASCII texts to: lowercase,
 cut into pieces (a run of letters / digits, or one punctuation character; whitespace between),
-tokenize each piece on its own. The pieces of a corpus repeat: English has a few tens of thousands
+tokenize each piece on its own; the non-ASCII characters it takes (punctuation, CJK ideographs;
+accents are folded before) are pieces of one character each, read here as their UTF-8 bytes. The pieces of a corpus repeat: English has a few tens of thousands
 of common words, and WordPiece gives a word that is itself in the vocabulary that one token. So
 instead of handing every text to the tokenizers library (one `Encoding` Python object per text,
 built under the GIL that `embed`'s device loop needs), `PieceTable.encode` joins the texts, finds
