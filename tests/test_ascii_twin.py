@@ -216,3 +216,22 @@ def test_a_cased_tokenizer_keeps_accents_off_the_lean_path():
     tok = Tokenizer(base, None)
     texts = _wide_texts(200, seed=9)
     assert tok.encode_ids(texts)[0].tolist() == [e.ids for e in base.encode_batch(texts)]
+
+
+def test_the_lean_twin_waits_for_enough_texts():
+    """A handful of texts goes through the library (the twin's set-up costs more than they do);
+    a call of 64 texts, or 256 in all, builds it. The ids are the library's either way."""
+    tok = pe.tokenizer(gt.get_model_path())
+    base, _ = tok._truncating(None)
+    few = ["A man is eating food.", "naïve café", "日本"]
+    for _ in range(80):
+        assert tok.encode_ids(few)[0].tolist() == [e.ids for e in base.encode_batch(few)]
+    assert "lean" not in tok._cache  # 240 texts in all
+    tok.encode_ids(few * 5)  # 255
+    assert "lean" not in tok._cache
+    tok.encode_ids(few)  # 258
+    assert tok._cache["lean"] is not None
+    many = _wide_texts(64, seed=3)
+    fresh = pe.tokenizer(gt.get_model_path())
+    assert fresh.encode_ids(many)[0].tolist() == [e.ids for e in base.encode_batch(many)]
+    assert fresh._cache["lean"] is not None

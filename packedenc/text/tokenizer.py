@@ -36,6 +36,7 @@ from packedenc.text.token_ids import TokenIds
 __all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
 
 _HUGE = 10**8  # tokenizer_config's "no limit" is 1e30; anything this large means "not set"
+_LEAN_TEXTS = 64  # a call of this many texts (or 4x in all) builds the lean twin
 
 
 class TruncationWarning(UserWarning):
@@ -89,10 +90,15 @@ class Tokenizer:
         ids, cut = self.encode_ids(texts, max_length)
         return ids.tolist(), cut
 
-    def _lean(self) -> Lean | None:
-        """The backend's lean twin (`ascii_twin.lean_twin`) or None; built once, thread-safe."""
+    def _lean(self, texts: int = _LEAN_TEXTS) -> Lean | None:
+        """The backend's lean twin (`ascii_twin.lean_twin`) or None; built once, thread-safe. Not
+        built (None) before a call of `_LEAN_TEXTS` texts or that many in all: its set-up (probes,
+        the piece table's seeds: ~0.15 s here) is more than a few texts cost through the library."""
         with self._lock:
             if "lean" not in self._cache:
+                seen = self._cache["seen"] = self._cache.get("seen", 0) + texts
+                if texts < _LEAN_TEXTS and seen < 4 * _LEAN_TEXTS:
+                    return None
                 self._cache["lean"] = lean_twin(self.backend)
             return self._cache["lean"]
 
@@ -100,7 +106,7 @@ class Tokenizer:
         """`encode` as flat host arrays (`TokenIds`): what `embed` and `pack_texts` use. The texts
         a lean twin takes go through it (the special tokens added and the cut made here), the
         others through the full tokenizer; the ids are the same either way."""
-        lean = self._lean()
+        lean = self._lean(len(texts))
         if lean is None or not lean.takes(max_length):
             return self._encode_ids(texts, max_length)
         fast_N = lean_texts(texts, lean.refuse)
