@@ -442,3 +442,24 @@ def test_eager_inference_path_on_the_interpreter(family, monkeypatch):
     tol = dict(atol=3e-5, rtol=1e-4) if torch.device(DEVICE).type == "cpu" else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, want, **tol)
     assert tuple(taken) == _IN_PLACE[family]
+
+
+def test_encode_imports_only_its_own_family():
+    """`pe.encode` finds the family by the params' class name before importing anything: a BERT
+    encode (all-MiniLM, the README's job) does not import the DeBERTa or graph-transformer
+    modules (DeBERTa's alone ~0.1 s), registered before BERT."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, packedenc as pe\n"
+            "from packedenc.models.bert.config import BertConfig\n"
+            "from packedenc.models.bert.params import init\n"
+            "cfg = BertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,"
+            " num_attention_heads=2)\n"
+            "p = init(cfg, torch.Generator().manual_seed(0))\n"
+            "b = pe.pack([[1, 2, 3]])\n"
+            "pe.encode(p, b.ids, b.cu_seqlens, b.max_seqlen)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('packedenc.models.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "packedenc.models.bert" in out
+    assert "deberta" not in out and "graph_transformer" not in out
