@@ -172,3 +172,16 @@ def test_threads_sharing_one_table_get_their_own_ids():
     assert not errors
     for k, texts in enumerate(batches):
         assert got[k] == _want(backend, texts).tolist()
+
+
+def test_long_pieces_never_reach_the_tables_store():
+    """Pieces over 24 bytes are tokenized every time and never enter the table: its store holds
+    the ids of its own entries only, so a stream of long pieces does not grow it."""
+    backend = _lean_backend()
+    table = PieceTable(backend, lower=True)
+    size = len(table._table.store)
+    texts = ["x" * 30 + str(k) + " q" * 40 + " zzyzx" for k in range(50)]
+    _same(table.encode(texts), _want(backend, texts))
+    assert len(table._table.store) == size + len(backend.encode("zzyzx").ids)
+    _same(table.encode(texts), _want(backend, texts))
+    assert len(table._table.store) == size + len(backend.encode("zzyzx").ids)

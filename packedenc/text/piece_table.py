@@ -47,8 +47,8 @@ _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD
 
 
 def _pieces(buf: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(P,) start and (P,) length in bytes of every piece of `buf` (UTF-8 whose only non-ASCII
-    characters are punctuation, each a piece of its own; ending in 24 spaces of padding). Classes
+    """(P,) start and (P,) length in bytes of every piece of `buf` (UTF-8 whose non-ASCII
+    characters are each a piece of their own: punctuation, CJK; ending in 24 spaces of padding). Classes
     by uint8 compares (wrapping subtraction: one compare a range), several times faster than a
     256-entry table gathered by every byte."""
     b = np.frombuffer(buf, dtype=np.uint8)
@@ -265,17 +265,23 @@ class PieceTable:
         text = [buf[s:s + n].decode("utf-8") for s, n in zip(start.tolist(), length.tolist())]
         for i, p in enumerate(text):
             first.setdefault(p, i)
+        # the short pieces first: the table's store gets their ids only (not the long ones', which
+        # no entry points at), and this call's store continues with the long ones'
         at = np.fromiter(first.values(), dtype=np.int64, count=len(first))
-        rank = {p: k for k, p in enumerate(first)}
-        ids, count = self._tokenize(list(first))
+        at = np.concatenate((at[length[at] <= _KEY_BYTES], at[length[at] > _KEY_BYTES]))
+        distinct = [text[i] for i in at.tolist()]
+        rank = {p: k for k, p in enumerate(distinct)}
+        n_short = int((length[at] <= _KEY_BYTES).sum())
+        ids_s, count_s = self._tokenize(distinct[:n_short])
+        ids_l, count_l = self._tokenize(distinct[n_short:])
+        count = np.concatenate((count_s, count_l))
         off = len(table.store) + np.cumsum(count) - count
-        store = np.concatenate((table.store, ids))
-        keep = np.flatnonzero((length[at] <= _KEY_BYTES) & (count < 256))
-        if keep.size and len(table.value_E) + keep.size <= _CAPACITY:
-            value = (off[keep] << 8 | count[keep]).astype(np.uint64)
-            self._table = table.added(keys[:, at[keep]], value, store)
+        kept = np.concatenate((table.store, ids_s))
+        if n_short and len(table.value_E) + n_short <= _CAPACITY and (count_s < 256).all():
+            value = (off[:n_short] << 8 | count_s).astype(np.uint64)
+            self._table = table.added(keys[:, at[:n_short]], value, kept)
         pick = np.fromiter(map(rank.__getitem__, text), dtype=np.int64, count=len(text))
-        return store, off[pick], count[pick]
+        return np.concatenate((kept, ids_l)), off[pick], count[pick]
 
     def _tokenize(self, pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids of the pieces back to back, (D,) ids per piece). The pieces go to the tokenizer
