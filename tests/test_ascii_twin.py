@@ -235,3 +235,23 @@ def test_the_lean_twin_waits_for_enough_texts():
     fresh = pe.tokenizer(gt.get_model_path())
     assert fresh.encode_ids(many)[0].tolist() == [e.ids for e in base.encode_batch(many)]
     assert fresh._cache["lean"] is not None
+
+
+def test_non_ascii_added_tokens_narrow_or_stop_the_lean_path():
+    """A normalised added token 'café' is looked for as 'cafe' by the original (accents stripped),
+    which the twin's lowercasing cannot match: no twin. A raw one ('’s', normalized=False) is
+    matched before accents fold: the twin takes ASCII texts only. The ids stay the original's."""
+    from packedenc.text.ascii_twin import lean_twin
+    from packedenc.text.tokenizer import Tokenizer
+
+    texts = ["a café here", "a cafe there", "naïve café’s", "it’s plain", "plain words"] * 20
+    for token, twin in ((tokenizers.AddedToken("café", normalized=True), False),
+                        (tokenizers.AddedToken("’s", normalized=False), True)):
+        base = tokenizers.Tokenizer.from_str(pe.tokenizer(gt.get_model_path()).backend.to_str())
+        base.no_truncation()
+        base.add_tokens([token])
+        lean = lean_twin(base)
+        assert (lean is not None) == twin
+        if twin:
+            assert not lean.wide and not lean.fold and not lean.cjk
+        assert Tokenizer(base, None).encode_ids(texts)[0].tolist() == [e.ids for e in base.encode_batch(texts)]

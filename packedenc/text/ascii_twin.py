@@ -99,7 +99,18 @@ def ascii_twin(backend: Any) -> Any | None:
     twin.normalizer = norm
     if bert_pre:  # each piece is one punctuation character or a run of other non-space ones; spaces go
         twin.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="removed", invert=True)
-    return twin
+    return twin if _added_agree(backend, twin) else None
+
+
+def _added_agree(backend: Any, twin: Any) -> bool:
+    """Whether every normalised added token is looked for as the same text by both tokenizers: the
+    original matches one as its normaliser makes it ('café' -> 'cafe' where accents are stripped),
+    the twin as its own cheaper normaliser does."""
+    def norm(tok: Any, text: str) -> str:
+        return text if tok.normalizer is None else tok.normalizer.normalize_str(text)
+
+    return all(norm(backend, t.content) == norm(twin, t.content)
+               for t in backend.get_added_tokens_decoder().values() if t.normalized)
 
 
 def _ascii_normalizer(n: Any) -> tuple[Any, bool]:
@@ -210,6 +221,11 @@ def lean_twin(backend) -> Lean | None:
     if len(around) != 1:
         return None
     prefix, suffix = around.pop()
+    added = backend.get_added_tokens_decoder().values()
+    if not _added_agree(backend, lean):
+        return None
+    if not all(t.content.isascii() for t in added):  # matched in the raw text, before accents fold:
+        return Lean(lean, prefix, suffix, PieceTable(lean, lower))  # ASCII texts only
     wide = frozenset(c for c in _WIDE if _same_ids(backend, lean, prefix, suffix, c, c))
     cjk = (any(isinstance(p, normalizers.BertNormalizer) and p.handle_chinese_chars for p in parts)
            and all(_same_ids(backend, lean, prefix, suffix, chr(a + k * (b - a) // 7), chr(a + k * (b - a) // 7))
