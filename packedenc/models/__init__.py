@@ -61,8 +61,8 @@ def _module(name: str) -> ModuleType:
 
 
 def family_of(params: Any) -> ModuleType:
-    # the class name first: only the matching family's module is imported (DeBERTa's alone takes
-    # ~0.1 s, paid by the first BERT encode of a process when every family was imported to ask)
+    # the class name first: only the matching family's module is imported (a BERT encode, the
+    # first of a process, would otherwise pay for importing the DeBERTa package)
     for module, cls_name in _PARAMS_CLASSES.items():
         if type(params).__name__ == cls_name and isinstance(params, getattr(_module(module), cls_name)):
             return _module(module)

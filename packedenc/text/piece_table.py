@@ -151,7 +151,7 @@ class _Table:
         not in the table are not found."""
         S = len(self.slots)
         home = _home(keys, S.bit_length() - 1)
-        row = np.take(self.slots, home, axis=0)  # the first probe, every piece: (take: ~10x [] on rows)
+        row = np.take(self.slots, home, axis=0)  # the first probe, every piece (take: far faster than [] on rows)
         found = length <= _KEY_BYTES  # a longer piece's key is its first 24 bytes: never an entry's
         for w in range(_WORDS):
             found &= row[:, w] == keys[w]

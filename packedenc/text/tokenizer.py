@@ -93,7 +93,7 @@ class Tokenizer:
     def _lean(self, texts: int = _LEAN_TEXTS) -> Lean | None:
         """The backend's lean twin (`ascii_twin.lean_twin`) or None; built once, thread-safe. Not
         built (None) before a call of `_LEAN_TEXTS` texts or that many in all: its set-up (probes,
-        the piece table's seeds: ~0.15 s here) is more than a few texts cost through the library."""
+        the piece table's seeds) costs more than a few texts take through the library."""
         with self._lock:
             if "lean" not in self._cache:
                 seen = self._cache["seen"] = self._cache.get("seen", 0) + texts
