@@ -64,8 +64,10 @@ def family_of(params: Any) -> ModuleType:
     # the class name first: only the matching family's module is imported (a BERT encode, the
     # first of a process, would otherwise pay for importing the DeBERTa package)
     for module, cls_name in _PARAMS_CLASSES.items():
-        if type(params).__name__ == cls_name and isinstance(params, getattr(_module(module), cls_name)):
-            return _module(module)
+        if type(params).__name__ == cls_name:
+            mod = _module(module)
+            if isinstance(params, getattr(mod, cls_name)):
+                return mod
     raise ConfigError(
         f"{type(params).__name__} is not a packedenc params tree; get one from packedenc.load(...)"
     )

@@ -24,10 +24,11 @@ punctuation (curly quotes, dashes, the ellipsis, ...: `_WIDE`): a BertNormalizer
 is (no decomposition, no case) and the BertPreTokenizer makes it a piece of its own, so the twin's
 split lists them with ASCII punctuation. Each is probed against the original tokenizer first;
 `Lean.wide` holds those that passed. CJK ideographs likewise where the original spaces them out
-(`handle_chinese_chars`; a sample probed): Chinese text takes the lean path too. Where the original strips accents (uncased models: NFD, then
-the combining marks go), a Latin letter with accents is its ASCII base letter and a combining mark
-is nothing (`_FOLD`, probed the same way): `Lean.fold` holds them, and the lean path takes a text
-holding them after NFD and dropping the marks, so "café" and "naïve" stay on it.
+(`handle_chinese_chars`; a sample probed): Chinese text takes the lean path too. Where the
+original strips accents (uncased models: NFD, then the combining marks go), a Latin letter with
+accents is its ASCII base letter and a combining mark is nothing (`_FOLD`, probed the same way):
+`Lean.fold` holds them, and the lean path takes a text holding them after NFD and dropping the
+marks, so "café" and "naïve" stay on it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ _BREAKS = "[\t\n\r]"
 # BertPreTokenizer on ASCII: split at whitespace (dropped) and around each ASCII punctuation
 # character (kept alone: !"#$%&'()*+,-./ :;<=>?@ [\]^_` {|}~), in one regex pass instead of two
 _PUNCT = r"!-/:-@\[-`{-~"
-_PIECES = f"[{_PUNCT}]|[^\\s{_PUNCT}]+"
+
+
+def _split_pieces(punct: str) -> Any:
+    """A pre-tokenizer that keeps each character of the regex class `punct` alone and every run of
+    other non-space characters whole; the spaces go (BertPreTokenizer on the texts a twin takes)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Split(Regex(f"[{punct}]|[^\\s{punct}]+"), behavior="removed", invert=True)
+
+
 # Non-ASCII punctuation of English text: unchanged by NFD and lowercasing, split alone by BERT
 _WIDE = "".join(c for c in chain("¡§«¶·»¿‐‑‒–—―‘’‚‛“”„‟†‡•…‰′″‹›", map(chr, range(0x3001, 0x3040)),
                                   map(chr, range(0xFF01, 0xFF66)))  # (CJK and fullwidth punctuation)
@@ -88,7 +98,7 @@ _FOLD = _fold_candidates()
 
 def ascii_twin(backend: Any) -> Any | None:
     """The twin of a `tokenizers.Tokenizer` for ASCII texts, or None when nothing in it gets cheaper."""
-    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import pre_tokenizers
     from tokenizers import Tokenizer as _Tok
 
     norm, changed = _ascii_normalizer(backend.normalizer)
@@ -98,7 +108,7 @@ def ascii_twin(backend: Any) -> Any | None:
     twin = _Tok.from_str(backend.to_str())
     twin.normalizer = norm
     if bert_pre:  # each piece is one punctuation character or a run of other non-space ones; spaces go
-        twin.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="removed", invert=True)
+        twin.pre_tokenizer = _split_pieces(_PUNCT)
     return twin if _added_agree(backend, twin) else None
 
 
@@ -171,7 +181,8 @@ class Lean:
     @functools.cached_property
     def refuse(self) -> re.Pattern:
         """A character that keeps a text off the lean path: non-ASCII, neither wide nor folded."""
-        return re.compile(f"[^\\x00-\\x7f{''.join(sorted(self.wide | set(map(chr, self.fold))))}{_CJK if self.cjk else ''}]")
+        taken = "".join(sorted(self.wide | set(map(chr, self.fold))))
+        return re.compile(f"[^\\x00-\\x7f{taken}{_CJK if self.cjk else ''}]")
 
     def takes(self, max_length: int | None) -> bool:
         """Whether a limit leaves room for text between the special tokens."""
@@ -192,7 +203,7 @@ def lean_twin(backend) -> Lean | None:
     """The lean twin of a `tokenizers.Tokenizer` (padding and truncation off), or None where the
     reduction is not exact: another normalizer or pre-tokenizer, an added token with whitespace in
     it, or a post-processor that does not put the same ids before and after every text."""
-    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import normalizers, pre_tokenizers
     from tokenizers import Tokenizer as _Tok
 
     n = backend.normalizer
@@ -206,8 +217,7 @@ def lean_twin(backend) -> Lean | None:
     lower = any(isinstance(p, normalizers.Lowercase) or p.lowercase for p in parts)
     lean = _Tok.from_str(backend.to_str())
     lean.normalizer = normalizers.Lowercase() if lower else None
-    punct = _PUNCT + _WIDE + _CJK  # (no non-ASCII character is special inside a regex class)
-    lean.pre_tokenizer = pre_tokenizers.Split(Regex(f"[{punct}]|[^\\s{punct}]+"), behavior="removed", invert=True)
+    lean.pre_tokenizer = _split_pieces(_PUNCT + _WIDE + _CJK)  # (no non-ASCII character is special in a class)
     lean.post_processor = None
     lean.no_truncation()
     lean.no_padding()
@@ -227,9 +237,9 @@ def lean_twin(backend) -> Lean | None:
     if not all(t.content.isascii() for t in added):  # matched in the raw text, before accents fold:
         return Lean(lean, prefix, suffix, PieceTable(lean, lower))  # ASCII texts only
     wide = frozenset(c for c in _WIDE if _same_ids(backend, lean, prefix, suffix, c, c))
+    cjk_sample = [chr(a + k * (b - a) // 7) for a, b in _CJK_RANGES for k in range(8)]
     cjk = (any(isinstance(p, normalizers.BertNormalizer) and p.handle_chinese_chars for p in parts)
-           and all(_same_ids(backend, lean, prefix, suffix, chr(a + k * (b - a) // 7), chr(a + k * (b - a) // 7))
-                   for a, b in _CJK_RANGES for k in range(8)))
+           and all(_same_ids(backend, lean, prefix, suffix, c, c) for c in cjk_sample))
     # accents go where a BertNormalizer strips them (strip_accents, or lowercase when it is unset);
     # the probes check each letter too (alone they could agree by chance: both [UNK])
     strips = any(isinstance(p, normalizers.BertNormalizer)

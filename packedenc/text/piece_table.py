@@ -268,10 +268,11 @@ class PieceTable:
         # the short pieces first: the table's store gets their ids only (not the long ones', which
         # no entry points at), and this call's store continues with the long ones'
         at = np.fromiter(first.values(), dtype=np.int64, count=len(first))
-        at = np.concatenate((at[length[at] <= _KEY_BYTES], at[length[at] > _KEY_BYTES]))
+        short = length[at] <= _KEY_BYTES
+        at = np.concatenate((at[short], at[~short]))
         distinct = [text[i] for i in at.tolist()]
         rank = {p: k for k, p in enumerate(distinct)}
-        n_short = int((length[at] <= _KEY_BYTES).sum())
+        n_short = int(short.sum())
         ids_s, count_s = self._tokenize(distinct[:n_short])
         ids_l, count_l = self._tokenize(distinct[n_short:])
         count = np.concatenate((count_s, count_l))
@@ -289,7 +290,8 @@ class PieceTable:
         object per text costs more than the tokenizing), and each token's word index says which
         piece it came from: pieces are tokenized one by one either way."""
         D = len(pieces)
-        bounds = np.linspace(0, D, min(16, D // 256) + 2, dtype=np.int64)  # (the library spreads texts over its threads)
+        # (a few texts, not one: the library spreads the texts of a batch over its threads)
+        bounds = np.linspace(0, D, min(16, D // 256) + 2, dtype=np.int64)
         spans = [(a, z) for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist()) if z > a]
         encs = self._backend.encode_batch([" ".join(pieces[a:z]) for a, z in spans])
         ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encs] + [np.zeros(0, dtype=np.int64)])
