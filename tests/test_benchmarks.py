@@ -296,3 +296,21 @@ def test_tokenize_probe_checks_and_times_every_path(tmp_path):
         for w in ("short", "passages", "mixed", "chinese", "misses30")}
     assert all(r["ms"] > 0 and r["texts_per_s"] > 0 and r["command"].startswith("python3 -m benchmarks.tokenize_probe")
                for r in recs)
+
+
+def test_host_stub_runs_the_eager_cuda_path_with_launches_stubbed(tmp_path):
+    """benchmarks.host_stub (its own process: it patches Triton's JIT): both cases run the Triton
+    table's eager path with no GPU, and each gets a record with its host time."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "stub.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.host_stub", "--reps", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = json.loads(out.read_text())
+    assert [x["workload"] for x in recs] == ["deberta-v3-16seq", "modernbert-16seq"]
+    assert all(x["ms"] > 0 and x["command"].startswith("python3 -m benchmarks.host_stub") for x in recs)
+    # the Triton path ran (not the reference): 4 launches a DeBERTa layer, 4 a ModernBERT layer, plus embeddings
+    assert recs[0]["launches"] >= 12 * 4 and recs[1]["launches"] >= 22 * 4, recs

@@ -137,8 +137,12 @@ def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_R
     qkv_T3HK = ops.linear(x_TD, p.attention.qkv.weight, p.attention.qkv.bias).view(T, 3, H, K)
     drop = attention_dropout(cfg.attention_probs_dropout_prob, "attention_probs_dropout_prob", ops, seed, i,
                              op="deberta_attention")
+    # unbind, not three slices: its backward stacks the three gradients into one (T, 3, H, K) tensor,
+    # where each slice's backward is a zero-filled full-size tensor, summed three times
+    # (benchmarks/results/history/deberta_train_unbind_h200.txt)
+    q_THK, k_THK, v_THK = qkv_T3HK.unbind(1)
     o_THK = ops.deberta_attention(
-        qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2], cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK,
+        q_THK, k_THK, v_THK, cu_seqlens, max_seqlen, pos_key_RHK, pos_query_RHK,
         pos_att_type=cfg.attention_pos_types, position_buckets=cfg.position_buckets,
         max_relative_positions=cfg.max_relative, scale=cfg.scale, seq_order=seq_order, **drop,
     )

@@ -177,8 +177,8 @@ def layer(
         q_XHK = ops.linear(h_TD.index_select(0, idx_S), w[:H * K], None if b is None else b[:H * K]).view(S, H, K)
         kv_T2HK = ops.linear(h_TD, w[H * K:], None if b is None else b[H * K:]).view(T, 2, H, K)
         cu_q = torch.arange(S + 1, dtype=torch.int32, device=residual_TD.device)
-        o_XHK = ops.graph_attention(q_XHK, kv_T2HK[:, 0], kv_T2HK[:, 1], cu_q, cu_seqlens, 1, max_seqlen,
-                                    key_bias_TH)
+        k_THK, v_THK = kv_T2HK.unbind(1)  # one stacked gradient, not two zero-filled ones (see deberta/model.py)
+        o_XHK = ops.graph_attention(q_XHK, k_THK, v_THK, cu_q, cu_seqlens, 1, max_seqlen, key_bias_TH)
     else:
         resid_XD = residual_TD
         # The fused (T, 3, H, K) buffer goes to the op whole, so kernels can hand back its gradient

@@ -1,0 +1,135 @@
+"""The eager CUDA path's own host time, on any machine: launches and GEMMs stubbed (no GPU needed).
+
+    python3 -m benchmarks.host_stub --out benchmarks/results/cpu/host_stub_cpu.json
+
+Issue 19's eager batches are host-bound: a DeBERTa-v3-base `mnli` batch costs ~2.6 ms of host
+time for ~0.9 ms of GPU work (`history/host_profile_h200_*.txt`). This probe runs the same Python
+as the eager CUDA path (the "triton" op table, `direct_launch` taken) on CPU tensors, with the two
+things that need a GPU replaced: a Triton launch reaches the cached C launcher's slot, which is a
+no-op here (the first call "compiles" into a fake compiled kernel), and every GEMM
+(`F.linear`, the table's `linear`) returns `torch.empty` of its output shape. What remains is
+ours: argument checks, tiles, the launch cache key, views and allocations. A cuBLAS call and a
+kernel launch cost the real path ~10-20 us each on the GPU host (`history/host_profile_*`); they
+are not in these figures.
+
+Cases: DeBERTa-v3 (12 layers, c2p + p2c, 256 buckets) and ModernBERT (22 layers, every third
+global), each at the real head dim (64) but 2 heads and a 128-wide hidden size (the CPU's tensor
+work stays small; the host path does not depend on widths), 16 sequences of 20-59 tokens (an `mnli`
+batch; `query` has 128 shorter ones, the same calls). `ms` is the median of `--reps` rounds of 20
+forwards under inference_mode, after warm-up; `launches` counts the kernel launches of one forward
+that reached the stubbed launcher (0 would mean the reference ran instead). The patches are process-wide (Triton's JIT, the
+launch helpers): run it as its own process, never inside a test session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Compiled-kernel launches are what is stubbed: under the interpreter (the CPU test suite's setting)
+# `triton.jit` would build interpreted kernels that really run. Set before Triton is imported.
+os.environ["TRITON_INTERPRET"] = "0"
+
+_LAUNCHES = [0]  # kernel launches that reached the stubbed C launcher
+
+
+def _stub_gpu() -> None:
+    """Make the eager CUDA path run on CPU tensors with every launch a no-op (process-wide)."""
+    import triton.runtime.jit as jit
+
+    from packedenc.kernels.triton import _common
+
+    class _Launcher:  # what `_common._launcher` takes for Triton's C launcher (no scratch)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+        @staticmethod
+        def launch(*args):
+            _LAUNCHES[0] += 1
+
+    def compile_stub(self, *args, grid, warmup, **kwargs):  # JITFunction.run: a "compiled" kernel
+        return types.SimpleNamespace(run=_Launcher(), function=0, packed_metadata=())
+
+    jit.JITFunction.run = compile_stub
+    _common.eager_cuda = lambda *t: type(t[0]) is torch.Tensor and not torch.compiler.is_compiling()
+    _common._driver = lambda: types.SimpleNamespace(get_current_stream=lambda device: 0)
+    _common._device_getter = lambda: (lambda: 0)
+    torch.cuda.is_available = lambda: True  # the op table then offers the triton backend
+
+
+def _gemm_stub(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty(x.shape[:-1] + (w.shape[0],), dtype=x.dtype)
+
+
+def _cases(seed: int) -> dict[str, tuple[Callable, Any]]:
+    from packedenc.models import deberta, modernbert
+
+    g = torch.Generator().manual_seed(seed)
+    small = dict(hidden_size=128, num_attention_heads=2, vocab_size=1000)
+    deb = deberta.init(dataclasses.replace(deberta.PRESETS["v3-base"], intermediate_size=256, **small), g)
+    mb = modernbert.init(modernbert.ModernBertConfig(intermediate_size=128, num_hidden_layers=22, **small), g)
+    return {"deberta-v3-16seq": (deberta.encode, deb), "modernbert-16seq": (modernbert.encode, mb)}
+
+
+def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
+    _stub_gpu()
+    import torch.nn.functional as F
+
+    from packedenc.kernels import get_ops
+
+    F.linear = _gemm_stub  # composite entries (linear_glu) call F.linear themselves
+    ops = dataclasses.replace(get_ops("triton", "cuda"), linear=_gemm_stub)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(20, 60, (16,), generator=g)
+    cu = torch.zeros(17, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    ids = torch.randint(5, 900, (int(cu[-1]),), generator=g)
+    out = []
+    for name, (encode, params) in _cases(seed).items():
+        with torch.inference_mode():
+            for _ in range(5):
+                encode(params, ids, cu, int(lens.max()), backend=ops)
+            rounds, n0 = [], _LAUNCHES[0]
+            encode(params, ids, cu, int(lens.max()), backend=ops)
+            launches = _LAUNCHES[0] - n0
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    encode(params, ids, cu, int(lens.max()), backend=ops)
+                rounds.append((time.perf_counter() - t0) / 20 * 1e3)
+        out.append({"system": "packedenc", "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
+                    "rounds": reps, "launches": launches, "tokens": int(cu[-1]), "sequences": 16})
+        print(f"{name:18s} {out[-1]['ms']:.3f} ms a forward (min {out[-1]['min_ms']:.3f}), {launches} launches",
+              flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--out", help="write the records (JSON) here")
+    a = ap.parse_args(argv)
+    records = measure(a.reps)
+    if a.out:
+        from benchmarks.records import git_commit, replace_text
+
+        meta = {"gpu": None, "cpu": platform.processor() or platform.machine(), "commit": git_commit(),
+                "command": "python3 -m benchmarks.host_stub " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "torch": torch.__version__}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        replace_text(a.out, json.dumps([{**r, **meta} for r in records], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
