@@ -37,15 +37,18 @@ from typing import Any, Callable
 
 import torch
 
-# Compiled-kernel launches are what is stubbed: under the interpreter (the CPU test suite's setting)
-# `triton.jit` would build interpreted kernels that really run. Set before Triton is imported.
-os.environ["TRITON_INTERPRET"] = "0"
-
 _LAUNCHES = [0]  # kernel launches that reached the stubbed C launcher
 
 
 def _stub_gpu() -> None:
     """Make the eager CUDA path run on CPU tensors with every launch a no-op (process-wide)."""
+    # Compiled-kernel launches are what is stubbed: under the interpreter (the CPU test suite's
+    # setting) `triton.jit` builds interpreted kernels that really run, so it must be off before
+    # Triton is first imported, which only a process of its own guarantees.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("benchmarks.host_stub: Triton is already imported in interpreter mode; "
+                           "run `python3 -m benchmarks.host_stub` as its own process")
+    os.environ["TRITON_INTERPRET"] = "0"
     import triton.runtime.jit as jit
 
     from packedenc.kernels.triton import _common
