@@ -4,9 +4,9 @@ Method (shared/DESIGN.md, "Performance method"):
 - every system runs in one process on the same seeded workload and the same weights;
 - a warm-up runs every timed input once, so compilation, autotuning and graph capture are never timed;
   the first timed (system, workload) of a GPU process also keeps running its inputs, untimed, for
-  `PROCESS_WARMUP_S`: the first system timed in a process read 27% slower than its own later passes
-  (DeBERTa `mnli` eager, `--passes 3`: 175k vs 240k / 239k tokens/s at the same host and device
-  ms; ModernBERT `query` 485k vs 715k for the same path under another name), whatever the system;
+  `PROCESS_WARMUP_S`: on some leases the first system timed in a process read 27% slower than its
+  own later passes (DeBERTa `mnli` eager, `--passes 3`: 175k vs 240k / 239k tokens/s at the same
+  host and device ms; ModernBERT `query` 485k vs 715k for the same path under another name);
 - throughput: each repetition runs consecutive batches worth >= `target_tokens` real tokens,
   rotating through the workload, between two CUDA events; the median repetition gives real
   (unpadded) `tokens_per_s` and wall `ms_per_batch`;
