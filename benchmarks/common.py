@@ -3,10 +3,6 @@
 Method (shared/DESIGN.md, "Performance method"):
 - every system runs in one process on the same seeded workload and the same weights;
 - a warm-up runs every timed input once, so compilation, autotuning and graph capture are never timed;
-  the first timed (system, workload) of a GPU process also keeps running its inputs, untimed, for
-  `PROCESS_WARMUP_S`: on some leases the first system timed in a process read 27% slower than its
-  own later passes (DeBERTa `mnli` eager, `--passes 3`: 175k vs 240k / 239k tokens/s at the same
-  host and device ms; ModernBERT `query` 485k vs 715k for the same path under another name);
 - throughput: each repetition runs consecutive batches worth >= `target_tokens` real tokens,
   rotating through the workload, between two CUDA events; the median repetition gives real
   (unpadded) `tokens_per_s` and wall `ms_per_batch`;
@@ -83,8 +79,6 @@ def time_reps(run: Callable[[Any], Any], inputs: dict[int, Any], reps: list[list
 
 
 _CYCLES_PER_MS: list[float] = []  # torch.cuda._sleep's rate, measured once per process
-PROCESS_WARMUP_S = 5.0  # untimed running before a GPU process's first timing (module docstring)
-_PROCESS_WARM: list[bool] = []  # set once that warm-up has run
 
 
 def _sleep_cycles(ms: float) -> int:
@@ -299,12 +293,6 @@ def _run_one(system: System, w: Workload, cfg: BenchConfig, run: Run, tag: str,
             for x in [*inputs.values()] * system.warmup_passes:  # warm-up: compile, autotune, capture
                 system.run(x)
             sync(dev)
-            if dev.type == "cuda" and not _PROCESS_WARM:  # the process's first timing: a steady state first
-                while time.perf_counter() - t0 < PROCESS_WARMUP_S:
-                    for x in inputs.values():
-                        system.run(x)
-                    sync(dev)
-                _PROCESS_WARM.append(True)
             warm_s = time.perf_counter() - t0
             ms = time_reps(system.run, inputs, reps, dev, cfg.time_budget_s)
             mem = peak_memory_gb(dev)
