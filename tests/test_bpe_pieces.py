@@ -151,24 +151,3 @@ def test_unicode_normalization_forms_keep_the_twin():
     texts = _corpus(50, seed=4)  # with non-ASCII sentences: those take the tokenizer
     assert isinstance(tok._lean(len(texts)).table, BpePieces)
     assert tok.encode_ids(texts)[0].tolist() == [e.ids for e in backend.encode_batch(texts)]
-
-
-def test_threads_sharing_a_table_get_the_tokenizers_ids():
-    """embed's tokenizer thread and a caller may share one table while both add misses."""
-    import threading
-
-    backend = _train("bert")
-    lean = bpe_twin(backend)
-    jobs = [_ascii_clean(ascii_fuzz(80, seed=s)) for s in range(8)]
-    want = [[e.ids for e in backend.encode_batch(j)] for j in jobs]
-    got = [None] * len(jobs)
-
-    def run(i):
-        got[i] = lean.encode_ids(jobs[i], None)[0].tolist()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert got == want
