@@ -18,10 +18,7 @@ Systems:
   encodes each text, the special ids and the cut added on flat arrays);
 - `library`: the full tokenizer through the library (`encode_batch_fast` of the original, with
   its post-processor and truncation, then `TokenIds.from_encodings`), no twin.
-Then a byte-level BPE tokenizer (GPT-2's pre-tokenizer, ModernBERT's [CLS] $A [SEP], 8,000 merges
-trained here on the short texts) on `short` and `passages`: `bpe-pieces` (the default:
-`text/bpe_pieces.py` behind the lean twin, warm), `bpe-lean-library` (that twin without its
-table) and `library`. Every system's ids are checked against `library`'s before it is timed. Time: the median of
+Every system's ids are checked against `library`'s before it is timed. Time: the median of
 `--reps` calls (perf_counter), `texts_per_s` from it. `threads`: the CPU count the tokenizers
 library may use (RAYON_NUM_THREADS, else the machine's).
 """
@@ -68,30 +65,6 @@ def _systems(folder: str) -> dict[str, Callable[[list[str]], Any]]:
             "library": lambda t: TokenIds.from_encodings(encodings(full, t))}
 
 
-def _bpe_systems(texts: list[str]) -> dict[str, Callable[[list[str]], Any]]:
-    """ModernBERT-style byte-level BPE, trained on `texts`: the lean twin with its piece dict, without
-    it, and the full tokenizer through the library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    import packedenc
-    from packedenc.text.token_ids import TokenIds, encodings
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8000, special_tokens=["[CLS]", "[SEP]"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
-    table, bare = packedenc.tokenizer(tok), packedenc.tokenizer(tok)
-    bare._cache["lean"] = dataclasses.replace(bare._lean(), table=None)
-    full, _ = table._truncating(256)
-    return {"bpe-pieces": lambda t: table.encode_ids(t, 256)[0],
-            "bpe-lean-library": lambda t: bare.encode_ids(t, 256)[0],
-            "library": lambda t: TokenIds.from_encodings(encodings(full, t))}
-
-
 def _miss_texts(rng: random.Random, n: int) -> list[str]:
     common = ["the", "of", "and", "a", "to", "in", "is", "was", "for", "on"]
     word = lambda: "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 10)))  # noqa: E731
@@ -130,30 +103,25 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     texts["mixed"] = _mixed(texts["short"], random.Random(1))
     texts["chinese"] = _chinese(random.Random(2), 20_000 // scale)
-    rows = [(w, n, e) for w in [*texts, "misses30"] for n, e in systems.items()]
-    bpe = _bpe_systems(texts["short"])
-    rows += [(f"bpe-{w}", n, e) for w in ("short", "passages") for n, e in bpe.items()]
-    texts.update({f"bpe-{w}": texts[w] for w in ("short", "passages")})
-    for workload, name, encode in rows:
-        lib = bpe["library"] if workload.startswith("bpe-") else systems["library"]
-        if workload == "misses30":  # fresh unseen words every call: a new job each time
-            jobs = [_miss_texts(rng, 4000 // scale) for _ in range(a.reps + 1)]
-        else:
-            jobs = [texts[workload]] * (a.reps + 1)
-        if encode(jobs[0]).tolist() != lib(jobs[0]).tolist():  # (also the warm-up)
-            raise SystemExit(f"{name} on {workload}: ids differ from the library's")
-        ms = []
-        for job in jobs[1:]:
-            run = _chunked(encode, job)
-            t0 = time.perf_counter()
-            run()
-            ms.append((time.perf_counter() - t0) * 1e3)
-        med = statistics.median(ms)
-        tokenizer = "byte-level BPE (8k, trained here)" if workload.startswith("bpe-") else base["tokenizer"]
-        rec = {**base, "tokenizer": tokenizer, "system": name, "workload": workload, "texts": len(jobs[0]), "ms": med,
-               "texts_per_s": len(jobs[0]) / med * 1e3, "ms_reps": ms}
-        records.append(rec)
-        print(f"{workload:12s} {name:16s} {med:8.1f} ms  {rec['texts_per_s']:10,.0f} texts/s", flush=True)
+    for workload in [*texts, "misses30"]:
+        for name, encode in systems.items():
+            if workload == "misses30":  # fresh unseen words every call: a new job each time
+                jobs = [_miss_texts(rng, 4000 // scale) for _ in range(a.reps + 1)]
+            else:
+                jobs = [texts[workload]] * (a.reps + 1)
+            if encode(jobs[0]).tolist() != systems["library"](jobs[0]).tolist():  # (also the warm-up)
+                raise SystemExit(f"{name} on {workload}: ids differ from the library's")
+            ms = []
+            for job in jobs[1:]:
+                run = _chunked(encode, job)
+                t0 = time.perf_counter()
+                run()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            med = statistics.median(ms)
+            rec = {**base, "system": name, "workload": workload, "texts": len(jobs[0]), "ms": med,
+                   "texts_per_s": len(jobs[0]) / med * 1e3, "ms_reps": ms}
+            records.append(rec)
+            print(f"{workload:9s} {name:13s} {med:8.1f} ms  {rec['texts_per_s']:10,.0f} texts/s", flush=True)
     if a.out:
         replace_text(a.out, json.dumps(records, indent=1))
         print(f"wrote {a.out}")

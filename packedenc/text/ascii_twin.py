@@ -45,7 +45,7 @@ import numpy as np
 from packedenc.text.piece_table import PieceTable
 from packedenc.text.token_ids import TokenIds, encodings
 
-__all__ = ["ascii_twin", "encode_batch", "Lean", "lean_twin", "lean_texts", "probe_specials"]
+__all__ = ["ascii_twin", "encode_batch", "Lean", "lean_twin", "lean_texts"]
 
 # BertNormalizer's clean_text on ASCII: these go (Cc other than \t \n \r), then \t \n \r -> " "
 _CONTROL = "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
@@ -167,14 +167,13 @@ _PROBES = ("a", "hello world", "x.", "[CLS] z")  # texts whose full encodings sh
 
 @dataclasses.dataclass(frozen=True)
 class Lean:
-    """A tokenizer's lean twin (BERT-style here, byte-level BPE in `bpe_pieces.py`): `backend` gives
-    a text's ids without special tokens and uncut; the full encoding is `prefix + ids[:limit -
-    len(prefix) - len(suffix)] + suffix`."""
+    """A BERT-style tokenizer's lean twin: `backend` gives a text's ids without special tokens and
+    uncut; the full encoding is `prefix + ids[:limit - len(prefix) - len(suffix)] + suffix`."""
 
     backend: Any = dataclasses.field(repr=False)
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
-    table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` / `BpePieces` of backend
+    table: Any = dataclasses.field(default=None, repr=False, compare=False)  # `PieceTable` of backend
     wide: frozenset = frozenset()  # the non-ASCII punctuation (`_WIDE`) this twin splits as the original
     cjk: bool = False  # whether CJK ideographs take the lean path (each a piece, as the original makes it)
     fold: dict = dataclasses.field(default_factory=dict, repr=False)  # code point -> its letter without accents
@@ -222,10 +221,16 @@ def lean_twin(backend) -> Lean | None:
     lean.post_processor = None
     lean.no_truncation()
     lean.no_padding()
-    specials = probe_specials(backend, lean)
-    if specials is None:
+    around = set()
+    for probe in _PROBES:
+        full, bare = backend.encode(probe).ids, lean.encode(probe).ids
+        at = [k for k in range(len(full) - len(bare) + 1) if full[k:k + len(bare)] == bare]
+        if not at:
+            return None
+        around.add((tuple(full[:at[0]]), tuple(full[at[0] + len(bare):])))
+    if len(around) != 1:
         return None
-    prefix, suffix = specials
+    prefix, suffix = around.pop()
     added = backend.get_added_tokens_decoder().values()
     if not _added_agree(backend, lean):
         return None
@@ -242,20 +247,6 @@ def lean_twin(backend) -> Lean | None:
     fold = {ord(c): b for c, b in _FOLD.items() if strips and _same_ids(backend, lean, prefix, suffix, c, b)}
     table = PieceTable(lean, lower, lambda c: c in wide or (cjk and is_cjk(c)))
     return Lean(lean, prefix, suffix, table, wide, cjk, fold)
-
-
-def probe_specials(backend: Any, bare: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(ids before, ids after) every text that `backend`'s post-processor adds, read from probe
-    texts encoded by `backend` and by `bare` (the same tokenizer without it), or None when they
-    are not the same around every probe."""
-    around = set()
-    for probe in _PROBES:
-        full, ids = backend.encode(probe).ids, bare.encode(probe).ids
-        at = [k for k in range(len(full) - len(ids) + 1) if full[k:k + len(ids)] == ids]
-        if not at:
-            return None
-        around.add((tuple(full[:at[0]]), tuple(full[at[0] + len(ids):])))
-    return around.pop() if len(around) == 1 else None
 
 
 def _same_ids(backend: Any, lean: Any, prefix: tuple, suffix: tuple, c: str, twin_c: str) -> bool:

@@ -31,7 +31,6 @@ import torch
 from packedenc.errors import CheckpointError, InputError, InputTypeError
 from packedenc.packing import Packed
 from packedenc.text.ascii_twin import Lean, ascii_twin, encode_batch, lean_texts, lean_twin
-from packedenc.text.bpe_pieces import bpe_twin
 from packedenc.text.token_ids import TokenIds
 
 __all__ = ["Tokenizer", "TruncationWarning", "tokenizer", "pack_texts", "check_texts", "check_unicode"]
@@ -92,8 +91,7 @@ class Tokenizer:
         return ids.tolist(), cut
 
     def _lean(self, texts: int = _LEAN_TEXTS) -> Lean | None:
-        """The backend's lean twin (`ascii_twin.lean_twin`, or for byte-level BPE
-        `bpe_pieces.bpe_twin`) or None; built once, thread-safe. Not
+        """The backend's lean twin (`ascii_twin.lean_twin`) or None; built once, thread-safe. Not
         built (None) before a call of `_LEAN_TEXTS` texts or that many in all: its set-up (probes,
         the piece table's seeds) costs more than a few texts take through the library."""
         with self._lock:
@@ -101,7 +99,7 @@ class Tokenizer:
                 seen = self._cache["seen"] = self._cache.get("seen", 0) + texts
                 if texts < _LEAN_TEXTS and seen < 4 * _LEAN_TEXTS:
                     return None
-                self._cache["lean"] = lean_twin(self.backend) or bpe_twin(self.backend)
+                self._cache["lean"] = lean_twin(self.backend)
             return self._cache["lean"]
 
     def encode_ids(self, texts: Sequence[str], max_length: int | None = None) -> tuple[TokenIds, list[int]]:
