@@ -159,12 +159,15 @@ case "$stage" in
             --out "$out/profile" 2>&1 | tee "$out/attention-profile.log" | tail -100 ;;
     compile-bisect)  # tests/test_training_gpu.py as a file faults in the compiled ModernBERT step (an illegal
         # address in its backward) while that test alone passes: each earlier test before it, one process each
-        f=tests/test_training_gpu.py c="$f::test_gpu_compiled_training_step_matches_eager[modernbert]"
+        f=tests/test_training_gpu.py c="$f::test_gpu_compiled_training_step_matches_eager[modernbert]" n=0
         for before in "" "$f::test_gpu_finetune_loss_curve_matches_the_reference[modernbert]" \
                 "$f::test_gpu_finetune_loss_curve_matches_the_reference[deberta]" "$f::test_gpu_fused_backward_fp32_within_1e4_relative" \
                 "$f::test_gpu_layer_norm_backward_bf16_two_x_rule" "$f::test_gpu_compiled_training_step_matches_eager[deberta]"; do
-            r=$(CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest -m gpu -q -x -p no:cacheprovider $before "$c" 2>&1 | tail -1)
-            echo "before: ${before##*::} -> $r"
+            log="$out/compile-bisect-$((++n)).log"
+            CUDA_LAUNCH_BLOCKING=1 timeout 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider --tb=long $before "$c" >"$log" 2>&1
+            echo "before: ${before##*::} -> $(tail -1 "$log")"
+            # with blocking launches the deepest generated-code line names the kernel that faulted
+            grep -n "\.run(\|_kernel\|AcceleratorError" "$log" | grep -v "^.*def " | tail -4
         done 2>&1 | tee "$out/compile-bisect.log"
         if command -v compute-sanitizer >/dev/null; then
             timeout 300 compute-sanitizer --print-limit 5 python3 -m pytest -m gpu -q -x -p no:cacheprovider "$f" 2>&1 \
