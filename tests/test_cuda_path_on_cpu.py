@@ -1,5 +1,5 @@
-"""The eager CUDA path of whole models, run on the CPU: a training step of a small ModernBERT and a
-small DeBERTa-v3 through the Triton kernels (interpreted) equals the reference backend's.
+"""The eager CUDA path of whole models, run on the CPU: a training step of a small ModernBERT, DeBERTa-v3
+and BERT through the Triton kernels (interpreted) equals the reference backend's.
 
 On a machine without a GPU the Ops-table entries send CPU tensors to the reference, so the kernel
 tests check each kernel alone and nothing checks the calls the models make: the views, strides and
@@ -54,7 +54,7 @@ def cpu_as_cuda(monkeypatch):
 
 
 def _models():
-    from packedenc.models import deberta, modernbert
+    from packedenc.models import bert, deberta, modernbert
 
     mb = modernbert.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                      num_attention_heads=2, local_attention=64,
@@ -63,7 +63,9 @@ def _models():
     db = dataclasses.replace(deberta.PRESETS["v3-base"], vocab_size=128, hidden_size=64, num_attention_heads=2,
                              intermediate_size=96, num_hidden_layers=2, position_buckets=16,
                              max_relative_positions=64, legacy=False)
-    return {"modernbert": mb, "deberta": db}
+    bt = bert.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=96, max_position_embeddings=128)
+    return {"modernbert": mb, "deberta": db, "bert": bt}
 
 
 def _step(params, batch, ops):
@@ -73,7 +75,7 @@ def _step(params, batch, ops):
     return loss, torch.autograd.grad(loss, leaves, allow_unused=True)
 
 
-@pytest.mark.parametrize("model", ["modernbert", "deberta"])
+@pytest.mark.parametrize("model", ["modernbert", "deberta", "bert"])
 def test_a_training_step_through_the_kernels_equals_the_reference(model, cpu_as_cuda):
     from tests.kernels._bounds import bounds_checked
 
@@ -89,8 +91,9 @@ def test_a_training_step_through_the_kernels_equals_the_reference(model, cpu_as_
     with bounds_checked() as launched:
         got, got_grads = _step(params, batch, cpu_as_cuda)
     expected = {"_ln_fwd_kernel", "_ln_bwd_kernel", "_ce_kernel"}
-    expected |= {"_glu_fwd_kernel", "_glu_bwd_kernel", "_rotary_kernel", "_fwd_kernel", "_bwd_kernel"} \
-        if model == "modernbert" else {"_act_fwd_kernel", "_act_bwd_kernel"}
+    expected |= {"modernbert": {"_glu_fwd_kernel", "_glu_bwd_kernel", "_rotary_kernel", "_fwd_kernel", "_bwd_kernel"},
+                 "deberta": {"_act_fwd_kernel", "_act_bwd_kernel"},
+                 "bert": {"_act_fwd_kernel", "_act_bwd_kernel", "_fwd_kernel", "_bwd_kernel"}}[model]
     assert expected <= set(launched), sorted(set(launched))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for i, (a, w) in enumerate(zip(got_grads, want_grads)):

@@ -121,6 +121,13 @@ def test_mlm_logits_match_hf(tmp_path, model_type):
         ref = hf(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     hidden = pe.encode(params, packed.ids, packed.cu_seqlens, backend="reference")
     torch.testing.assert_close(bert.mlm_logits(params, hidden, backend="reference"), ref, atol=3e-5, rtol=1e-5)
+    # the MLM loss takes the fused cross-entropy through `mlm_head` (never an (M, V) fp32 logits tensor)
+    from packedenc.train import losses
+
+    pos, tgt = torch.tensor([0, 4, 9, 13]), torch.tensor([5, -100, 17, 2])
+    got = losses.mlm_token_losses(params, hidden, pos, tgt, backend="reference")
+    want = torch.nn.functional.cross_entropy(ref[pos].float(), tgt, reduction="none")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta"])

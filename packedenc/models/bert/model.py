@@ -156,8 +156,12 @@ def pooler(params: BertParams, hidden_TD: Tensor, cu_seqlens: Tensor, *, backend
     return ops.activation(ops.linear(first_SD, params.pooler.weight, params.pooler.bias), "tanh")
 
 
-def mlm_logits(params: BertParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
-    """(T, D) hidden -> (T, V) MLM logits: dense, act, LayerNorm, then the (tied) decoder + bias.
+def mlm_head(params: BertParams, hidden_TD: Tensor, *,
+             backend: str | Ops = "auto") -> tuple[Tensor, Tensor, Tensor | None]:
+    """(T, D) hidden -> (features (T, D), decoder weight (V, D), decoder bias (V,) or None):
+    dense, act, LayerNorm, and the (tied) decoder. The MLM logits are `linear(features, weight,
+    bias)` (`mlm_logits`); `losses.mlm_loss` hands these three to `ops.linear_cross_entropy`, which
+    never keeps the (T, V) logits.
 
     BERT's transform uses `hidden_act`; RoBERTa's lm_head always uses exact GELU. To score only
     some tokens (masked positions), index `hidden_TD` before calling.
@@ -170,7 +174,13 @@ def mlm_logits(params: BertParams, hidden_TD: Tensor, *, backend: str | Ops = "a
     h_TD = ops.activation(ops.linear(hidden_TD, m.dense.weight, m.dense.bias), act)
     h_TD = ops.layer_norm(h_TD, m.norm.weight, m.norm.bias, cfg.layer_norm_eps)
     w = params.embeddings.word_embeddings.weight if m.decoder is None else m.decoder
-    return ops.linear(h_TD, w, m.bias)
+    return h_TD, w, m.bias
+
+
+def mlm_logits(params: BertParams, hidden_TD: Tensor, *, backend: str | Ops = "auto") -> Tensor:
+    """(T, D) hidden -> (T, V) MLM logits: `linear` of `mlm_head`'s three."""
+    ops = get_ops(backend, hidden_TD.device)
+    return ops.linear(*mlm_head(params, hidden_TD, backend=ops))
 
 
 def classify(params: BertParams, hidden_TD: Tensor, cu_seqlens: Tensor, *,
