@@ -101,3 +101,27 @@ def test_a_training_step_through_the_kernels_equals_the_reference(model, cpu_as_
         if w is not None:
             rel = ((a - w).norm() / w.norm().clamp_min(1e-12)).item()
             assert rel <= 1e-4, f"{model} gradient {i}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("model", ["modernbert", "deberta", "bert"])
+def test_inference_through_the_kernels_equals_the_reference(model, cpu_as_cuda):
+    """The inference-only paths: launches without the custom op (`direct_launch`), outputs written
+    over inputs (`overwrite_input`), and ModernBERT's RoPE read inside the attention forward (every
+    sequence here is under 128 tokens)."""
+    from tests.kernels._bounds import bounds_checked
+
+    cfg = _models()[model]
+    g = torch.Generator().manual_seed(1)
+    params = pe.init(cfg, g)
+    b = pe.pack([torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in LENGTHS])
+    with torch.inference_mode():
+        want = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
+        with bounds_checked() as launched:
+            got = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend=cpu_as_cuda)
+    expected = {"modernbert": {"_ln_fwd_kernel", "_fwd_kernel", "_glu_fwd_kernel"},
+                "deberta": {"_ln_fwd_kernel", "_fwd_wide_kernel", "_act_fwd_kernel"},
+                "bert": {"_ln_fwd_kernel", "_fwd_kernel", "_act_fwd_kernel"}}[model]
+    assert expected <= set(launched), sorted(set(launched))
+    if model == "modernbert":  # RoPE read inside the attention forward: no rotary launch of its own
+        assert "_rotary_kernel" not in launched
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
