@@ -36,7 +36,7 @@ def _storages(args) -> list[tuple[int, int]]:
 
 @contextlib.contextmanager
 def bounds_checked() -> Iterator[list[str]]:
-    """Patch the interpreter for the block; yields the list of kernels launched (their names)."""
+    """Patch the interpreter for the block; yields the list of kernels launched ("module.kernel")."""
     from triton.runtime import interpreter as I
 
     launched: list[str] = []
@@ -48,7 +48,8 @@ def bounds_checked() -> Iterator[list[str]]:
     def init(self, args_dev, kwargs):
         args_hst, kwargs_hst = init0(self, args_dev, kwargs)
         state["ranges"] = _storages([list(args_hst), list(kwargs_hst.values())])
-        state["kernel"] = getattr(self.fn, "__name__", "?")
+        fn = self.fn  # "module.kernel": several modules name their kernels alike (_fwd_kernel)
+        state["kernel"] = f"{getattr(fn, '__module__', '?').rsplit('.', 1)[-1]}.{getattr(fn, '__name__', '?')}"
         launched.append(state["kernel"])
         return args_hst, kwargs_hst
 

@@ -31,7 +31,7 @@ def test_masked_accesses_pass_and_copy():
     x, y = torch.arange(5, dtype=torch.float32), torch.zeros(5)
     with bounds_checked() as launched:
         _run(x, y, True, True)
-    assert launched == ["_copy"] and torch.equal(x, y)
+    assert launched == ["test_bounds._copy"] and torch.equal(x, y)
 
 
 @pytest.mark.parametrize("mask_load, mask_store, what", [(False, True, "load"), (True, False, "store")])
@@ -40,7 +40,7 @@ def test_an_access_past_the_end_fails_with_the_kernels_name(mask_load, mask_stor
     x, y = base[:5], torch.zeros(5)  # x's storage ends at 16 elements: a load of 8 fits, a store of 8 into y does not
     x2 = torch.arange(5, dtype=torch.float32)  # a storage of exactly 5
     from triton.runtime.errors import InterpreterError  # the interpreter wraps a kernel's exception in it
-    with bounds_checked(), pytest.raises((OutOfBounds, InterpreterError), match=f"_copy: 3 {what}"):
+    with bounds_checked(), pytest.raises((OutOfBounds, InterpreterError), match=f"test_bounds._copy: 3 {what}"):
         _run(x2 if what == "load" else x, y, mask_load, mask_store)
 
 
