@@ -1,5 +1,6 @@
-"""The eager CUDA path of whole models, run on the CPU: a training step of a small ModernBERT, DeBERTa-v3
-and BERT through the Triton kernels (interpreted) equals the reference backend's.
+"""The eager CUDA path of whole models, run on the CPU: a training step and an inference forward of a
+small ModernBERT, DeBERTa-v3 and BERT, and the graph transformer's forward and gradients, through the
+Triton kernels (interpreted) equal the reference backend's.
 
 On a machine without a GPU the Ops-table entries send CPU tensors to the reference, so the kernel
 tests check each kernel alone and nothing checks the calls the models make: the views, strides and
