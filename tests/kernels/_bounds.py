@@ -55,7 +55,7 @@ def bounds_checked() -> Iterator[list[str]]:
 
     def check(ptrs, mask, what):
         addr = np.asarray(ptrs.data, dtype=np.uint64)
-        on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape) if mask is not None else np.ones(addr.shape, bool)
+        on = np.ones(addr.shape, bool) if mask is None else np.broadcast_to(np.asarray(mask.data, bool), addr.shape)
         addr = addr[on]
         if addr.size == 0:
             return

@@ -12,6 +12,8 @@ F intermediate, V vocab, R = 2 * att_span relative-position rows.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.utils.checkpoint
 from torch import Tensor
@@ -123,6 +125,57 @@ def position_tables(params: DebertaParams, rel_RD: Tensor | None, ops: Ops,
     tabs = ops.linear(rel_RD, w, b).view(R, len(layers) * n, H, K).unbind(1)  # (R, H, K) each
     by_term = [dict(zip(terms, tabs[i * n : (i + 1) * n])) for i in range(len(layers))]
     return [(t.get("c2p"), t.get("p2c")) for t in by_term]
+
+
+# Inference keeps each params tree's position tables: they depend on the weights only, and making
+# them (a LayerNorm, two weight concatenations and a GEMM) is a tenth of the host time of a short
+# eager batch. id(first leaf) -> (weak references to the leaves, their versions, op table, (rel_RD,
+# tables)); the params dataclasses have slots, so the leaves (tensors) are what is referenced.
+_KEPT: dict[int, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple, tuple]] = {}
+_KEPT_MAX = 8  # params trees; the oldest entry goes first
+
+
+def _table_leaves(params: DebertaParams) -> list[Tensor]:
+    """The tensors `rel_embeddings` and `position_tables` read."""
+    enc, cfg = params.encoder, params.config
+    out = [enc.rel_embeddings.weight] if enc.rel_embeddings is not None else []
+    if enc.layer_norm is not None:
+        out += [enc.layer_norm.weight, enc.layer_norm.bias]
+    for p in enc.layer:
+        a = p.attention
+        mods = (a.qkv,) if cfg.share_att_key else (a.pos_key_proj, a.pos_query_proj)
+        out += [t for m in mods if m is not None for t in (m.weight, m.bias)]
+    return [t for t in out if t is not None]
+
+
+def kept_position_tables(params: DebertaParams, ops: Ops) -> tuple[Tensor | None, list]:
+    """(rel_RD, `position_tables`) for a forward without gradients, made once per params tree and
+    reused while every tensor they come from is the same one at the same version (an in-place
+    update, e.g. an optimizer step or `copy_`, makes them again) and the op table is the same.
+    Inference tensors (params made under `torch.inference_mode`) keep no version: not kept."""
+    leaves = _table_leaves(params)
+    if not leaves or any(t.is_inference() for t in leaves):
+        rel_RD = rel_embeddings(params, ops)
+        return rel_RD, position_tables(params, rel_RD, ops)
+    versions = tuple(t._version for t in leaves)
+    hit = _KEPT.get(id(leaves[0]))
+    if (hit is not None and hit[1] == versions and hit[2] == ops.chosen and len(hit[0]) == len(leaves)
+            and all(r() is t for r, t in zip(hit[0], leaves))):
+        return hit[3]
+    rel_RD = rel_embeddings(params, ops)
+    value = (rel_RD, position_tables(params, rel_RD, ops))
+    _KEPT.pop(id(leaves[0]), None)
+    while len(_KEPT) >= _KEPT_MAX:
+        del _KEPT[next(iter(_KEPT))]
+    refs = (weakref.ref(leaves[0], _forget), *(weakref.ref(t) for t in leaves[1:]))  # dropped with the tree
+    _KEPT[id(leaves[0])] = (refs, versions, ops.chosen, value)
+    return value
+
+
+def _forget(ref: weakref.ref) -> None:
+    for k, entry in list(_KEPT.items()):
+        if entry[0][0] is ref:
+            del _KEPT[k]
 
 
 def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_RHK: Tensor | None,
@@ -244,10 +297,19 @@ def encode(
     ops, seed = get_ops(backend, ids.device), dropout_seed
     emb_TD = embed(params.embeddings, ids, positions, token_type_ids, cfg, ops)
     emb_TD = dropout(emb_TD, cfg.hidden_dropout_prob, seed, -1, 0)
-    rel_RD = rel_embeddings(params, ops)
     # Position tables depend on the weights only: computed once per forward, before the layers
-    # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer).
-    tables = position_tables(params, rel_RD, ops, seed)
+    # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer);
+    # without gradients, once per params tree. Only outside a trace and, on CUDA, on the device's
+    # default stream: a CUDA-graph capture and its warm-up run on a side stream and allocate from
+    # the graph's memory pool, which kept tensors must not hold, and a table made on one stream
+    # would be read unsynchronised on another.
+    dev = ids.device
+    if (seed is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and (dev.type != "cuda" or torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev))):
+        rel_RD, tables = kept_position_tables(params, ops)
+    else:
+        rel_RD = rel_embeddings(params, ops)
+        tables = position_tables(params, rel_RD, ops, seed)
     # Longest sequences first: the attention kernel's programs then end in a full last wave
     # (computed once per forward; the CPU reference has no waves).
     seq_order = longest_first(cu_seqlens) if ids.is_cuda else None
