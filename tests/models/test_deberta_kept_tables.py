@@ -1,4 +1,4 @@
-"""DeBERTa inference keeps each params tree's relative-position tables (`kept_position_tables`):
+"""DeBERTa inference keeps each params tree's relative-position tables (`position_inputs`):
 made once, reused while the weights they come from are unchanged, made again after an in-place
 update, never kept for a forward with gradients, and dropped with the params."""
 

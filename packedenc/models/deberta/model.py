@@ -148,27 +148,33 @@ def _table_leaves(params: DebertaParams) -> list[Tensor]:
     return [t for t in out if t is not None]
 
 
-def kept_position_tables(params: DebertaParams, ops: Ops) -> tuple[Tensor | None, list]:
-    """(rel_RD, `position_tables`) for a forward without gradients, made once per params tree and
-    reused while every tensor they come from is the same one at the same version (an in-place
-    update, e.g. an optimizer step or `copy_`, makes them again) and the op table is the same.
-    Inference tensors (params made under `torch.inference_mode`) keep no version: not kept."""
-    leaves = _table_leaves(params)
-    if not leaves or any(t.is_inference() for t in leaves):
-        rel_RD = rel_embeddings(params, ops)
-        return rel_RD, position_tables(params, rel_RD, ops)
-    versions = tuple(t._version for t in leaves)
-    hit = _KEPT.get(id(leaves[0]))
-    if (hit is not None and hit[1] == versions and hit[2] == ops.chosen and len(hit[0]) == len(leaves)
-            and all(r() is t for r, t in zip(hit[0], leaves))):
-        return hit[3]
+def position_inputs(params: DebertaParams, ops: Ops, seed: int | None, device: torch.device
+                    ) -> tuple[Tensor | None, list]:
+    """(rel_RD, `position_tables`) of one forward. Without gradients they are made once per params
+    tree and reused while every tensor they come from is the same one at the same version (an
+    in-place update, e.g. an optimizer step or `copy_`, makes them again) and the op table is the
+    same. Kept only outside a trace and, on CUDA, on the device's default stream: a CUDA-graph
+    capture and its warm-up run on a side stream and allocate from the graph's memory pool, which
+    kept tensors must not hold, and a table made on one stream would be read unsynchronised on
+    another. Inference tensors (params made under `torch.inference_mode`) keep no version: not kept."""
+    keep = (seed is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and (device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)))
+    leaves = _table_leaves(params) if keep else []
+    keep = bool(leaves) and not any(t.is_inference() for t in leaves)
+    if keep:
+        versions = tuple(t._version for t in leaves)
+        hit = _KEPT.get(id(leaves[0]))
+        if (hit is not None and hit[1] == versions and hit[2] == ops.chosen and len(hit[0]) == len(leaves)
+                and all(r() is t for r, t in zip(hit[0], leaves))):
+            return hit[3]
     rel_RD = rel_embeddings(params, ops)
-    value = (rel_RD, position_tables(params, rel_RD, ops))
-    _KEPT.pop(id(leaves[0]), None)
-    while len(_KEPT) >= _KEPT_MAX:
-        del _KEPT[next(iter(_KEPT))]
-    refs = (weakref.ref(leaves[0], _forget), *(weakref.ref(t) for t in leaves[1:]))  # dropped with the tree
-    _KEPT[id(leaves[0])] = (refs, versions, ops.chosen, value)
+    value = (rel_RD, position_tables(params, rel_RD, ops, seed))
+    if keep:
+        _KEPT.pop(id(leaves[0]), None)
+        while len(_KEPT) >= _KEPT_MAX:
+            del _KEPT[next(iter(_KEPT))]
+        refs = (weakref.ref(leaves[0], _forget), *(weakref.ref(t) for t in leaves[1:]))  # dropped with the tree
+        _KEPT[id(leaves[0])] = (refs, versions, ops.chosen, value)
     return value
 
 
@@ -299,17 +305,8 @@ def encode(
     emb_TD = dropout(emb_TD, cfg.hidden_dropout_prob, seed, -1, 0)
     # Position tables depend on the weights only: computed once per forward, before the layers
     # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer);
-    # without gradients, once per params tree. Only outside a trace and, on CUDA, on the device's
-    # default stream: a CUDA-graph capture and its warm-up run on a side stream and allocate from
-    # the graph's memory pool, which kept tensors must not hold, and a table made on one stream
-    # would be read unsynchronised on another.
-    dev = ids.device
-    if (seed is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and (dev.type != "cuda" or torch.cuda.current_stream(dev) == torch.cuda.default_stream(dev))):
-        rel_RD, tables = kept_position_tables(params, ops)
-    else:
-        rel_RD = rel_embeddings(params, ops)
-        tables = position_tables(params, rel_RD, ops, seed)
+    # without gradients, once per params tree (`position_inputs`).
+    rel_RD, tables = position_inputs(params, ops, seed, ids.device)
     # Longest sequences first: the attention kernel's programs then end in a full last wave
     # (computed once per forward; the CPU reference has no waves).
     seq_order = longest_first(cu_seqlens) if ids.is_cuda else None
