@@ -3,7 +3,8 @@
 1. A 20-step MLM fine-tune (fixed seed, fp32 master weights, bf16 compute, AdamW, seeded hidden
    dropout) gives the reference backend's loss curve on the fused-kernel backend ("auto": Triton
    norms / RoPE / GeGLU / attention, FA2 gradients, the Triton DeBERTa attention), for a small
-   ModernBERT and a small DeBERTa-v3 with real kernel shapes (head dim 64, windows and log buckets
+   ModernBERT, a small DeBERTa-v3 and a small BERT (its MLM loss through the fused
+   linear_cross_entropy) with real kernel shapes (head dim 64, windows and log buckets
    crossed by the sequence lengths).
 
    Tolerance ("within bf16 noise"), the 2x rule applied to whole curves: let dev(run) be the
@@ -66,7 +67,16 @@ def deberta_params():
     return pe.init(cfg, torch.Generator().manual_seed(0), heads=("mlm",))
 
 
-MODELS = {"modernbert": modernbert_params, "deberta": deberta_params}
+def bert_params():
+    from packedenc.models import bert
+
+    cfg = bert.BertConfig(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+                          intermediate_size=512, max_position_embeddings=1024, hidden_dropout_prob=0.1,
+                          attention_probs_dropout_prob=0.0)  # attention dropout is the reference path's only
+    return pe.init(cfg, torch.Generator().manual_seed(0), heads=("mlm",))
+
+
+MODELS = {"modernbert": modernbert_params, "deberta": deberta_params, "bert": bert_params}
 
 
 def mlm_batches(vocab, device, n=2, lengths=LENGTHS, seed=0):
