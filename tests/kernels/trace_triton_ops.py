@@ -10,6 +10,11 @@
    argument types inductor gives a user-defined kernel: op name -> [(kernel, ints all 1, error)].
 3. `symbolic`: each op's launcher with symbolic token and sequence counts (dynamic shapes):
    op name -> None or the error.
+4. `aliased_writes`: each op's launches, the tensors torch's kernel analysis says a kernel writes:
+   op name -> ["kernel: ARG shares memory with ARG2", ...]. torch.compile functionalizes a kernel's
+   written arguments one by one (clones, then writes back), so a written tensor that shares memory
+   with another argument (three views of one gradient buffer) is miscompiled: inductor sized a
+   clone of such a view past its buffer's end and the compiled ModernBERT backward faulted.
 
 Run as a script, never under TRITON_INTERPRET (the interpreter has no compiled kernel to record);
 it prints {"trace": ..., "inductor_ttir": ..., "symbolic": ...}. `test_triton_op_trace.py` runs it.
@@ -208,6 +213,51 @@ def inductor_ttir() -> dict[str, list]:
     return out
 
 
+def _record_launches(name: str, args: tuple) -> list:
+    """The (kernel, args, meta) launches of op `name`'s CUDA branch run on CPU tensors, recorded, not run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from packedenc.kernels.triton import _common
+
+    class _PassThrough(TorchDispatchMode):  # makes `launch` take its traced branch
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls: list = []
+    saved = _common._traced_launch
+    _common._traced_launch = lambda kernel, grid, args, meta: calls.append((kernel, args, meta))
+    try:
+        with _PassThrough():
+            _launchers()[name](*args)
+    finally:
+        _common._traced_launch = saved
+    return calls
+
+
+def aliased_writes() -> dict[str, list[str]]:
+    """op name -> the written kernel arguments that share memory with another argument (none wanted)."""
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+    if not torch.cuda.is_available():
+        driver.set_active(_Sm90())
+    out = {}
+    for name, args in cases(device="cpu"):
+        out[name] = problems = []
+        for kernel, kargs, meta in _record_launches(name, args):
+            kwargs = {**dict(zip(kernel.arg_names, kargs)), **meta}
+            tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            if hasattr(tkw, "identify_accessed_tensors"):
+                rw = tkw.identify_accessed_tensors(kernel, dict(kwargs), {}).read_writes
+                writes, used = {d.name for d in rw.writes}, {d.name for d in (*rw.reads, *rw.writes)}
+            else:  # torch <= 2.11: writes only, every argument counted as used
+                writes, used = set(tkw.identify_mutated_tensors(kernel, dict(kwargs), {})), set(tensors)
+            for w in sorted(writes & set(tensors)):  # a placeholder pointer the kernel never touches is fine
+                mem = tensors[w].untyped_storage().data_ptr()
+                problems += [f"{kernel.fn.__name__}: {w} shares memory with {k}" for k in sorted(used & set(tensors))
+                             if k != w and tensors[k].untyped_storage().data_ptr() == mem]
+    return out
+
+
 def symbolic(every_dim: bool = True) -> dict[str, str | None]:
     """op name -> None, or the error its CUDA branch raises when the token counts are symbolic.
 
@@ -299,4 +349,4 @@ def symbolic_scalars() -> str | None:
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     print(json.dumps({"trace": trace(), "inductor_ttir": inductor_ttir(), "symbolic": symbolic(),
-                      "symbolic_scalars": symbolic_scalars()}))
+                      "symbolic_scalars": symbolic_scalars(), "aliased_writes": aliased_writes()}))

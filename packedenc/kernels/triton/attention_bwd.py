@@ -179,7 +179,7 @@ def _bwd_kernel(
     Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
     LSE,  # (H, T) fp32: the forward's log2-sum-exp2
     DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0, read by PASS 1
-    DQ, DK, DV,  # (T, H, K) out (may be slots of a (T, 3, H, K) gradient)
+    DG, o_dq, o_dk, o_dv,  # out: the one gradient buffer, dq / dk / dv at these element offsets in it
     CU, T, S, n_steps, left, right,  # as in the forward
     qk_scale, sm_scale,  # scale * log2(e), scale
     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
@@ -193,11 +193,11 @@ def _bwd_kernel(
     h = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
     if PASS == 0:
-        _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+        _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
                   HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
     else:
-        _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
                     s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                     HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
@@ -206,24 +206,40 @@ def _bwd_kernel(
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    grads: tuple[Tensor, Tensor, Tensor] | None = None, *, tiles=None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward: (dq, dk, dv), each (T, H, K) in q's dtype.
+    fused_qkv: bool = False, *, tiles=None,
+) -> Tensor:
+    """Launch the backward: dq, dk, dv in one tensor of q's dtype, (3, T, H, K), or with
+    `fused_qkv` (T, 3, H, K) (the gradient of a fused qkv buffer).
 
-    `grads`: three (T, H, K) views to write (e.g. the slots of one (T, 3, H, K) tensor, the
-    gradient of a fused qkv buffer); by default the three slabs of one (3, T, H, K) tensor.
+    The kernel writes the three through that one buffer and element offsets, never through three
+    views of it: torch.compile functionalizes a kernel's mutated arguments one by one, and views
+    of one base passed as separate outputs come back as clones that inductor mis-sizes (it read
+    past a buffer's end and faulted in the compiled ModernBERT backward).
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
     `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
     """
     T, H, Kd = q_THK.shape
-    if grads is None:
-        grads = torch.empty((3, T, H, Kd), dtype=q_THK.dtype, device=q_THK.device).unbind(0)
-    dq, dk, dv = grads
+    slot = 1 if fused_qkv else 0
+    g = torch.empty((T, 3, H, Kd) if fused_qkv else (3, T, H, Kd), dtype=q_THK.dtype, device=q_THK.device)
     S, n_steps, left, right, qk_scale, meta = launch_args(q_THK, cu_seqlens, window, scale)
     if T == 0 or S <= 0:
-        for g in grads:
-            g.zero_()
-        return dq, dk, dv
+        return g.zero_()
+    do = do_THK
+    if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
+        do = do.contiguous()
+    args = (q_THK, k_THK, v_THK, o_THK, do, lse2_HT)
+    g_t, g_h = g.select(slot, 0).stride()[:2]
+    offsets = tuple(i * g.stride(slot) for i in range(3))
+    strides = (*q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o_THK.stride()[:2],
+               *do.stride()[:2], g_t, g_h, g_t, g_h, g_t, g_h)
+    common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
+    delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
+    (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
+    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, g, *offsets, *common,
+           OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
+    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
+           OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
+    return g
     do = do_THK
     if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
         do = do.contiguous()

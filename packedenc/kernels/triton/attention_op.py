@@ -66,11 +66,8 @@ def _fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens: Tensor, max_
 
 
 def _bwd_cuda(do, q, k, v, out, lse, cu_seqlens, max_seqlen, left, right, scale):
-    qs = _split(q, k, v)
-    T, H, K = qs[0].shape
-    g = q.new_empty((T, 3, H, K) if k is None else (3, T, H, K))
-    attention_bwd(do, *qs, out, lse, cu_seqlens, max_seqlen, (left, right), scale, g.unbind(1 if k is None else 0))
-    return g
+    return attention_bwd(do, *_split(q, k, v), out, lse, cu_seqlens, max_seqlen, (left, right), scale,
+                         fused_qkv=k is None)
 
 
 @triton_op("packedenc::triton_varlen_attention_bwd", mutates_args=())

@@ -44,7 +44,7 @@ __all__ = ["rotary", "rotary_fwd", "rotary_bwd"]
 @triton.jit
 def _rotary_kernel(
     XQ, XK, XV,  # inputs: (T, H, K) views (q, k, v slots of qkv, or the incoming gradients)
-    OQ, OK, OV,  # outputs: (T, H, K) views
+    OQ, OK, OV,  # outputs: (T, H, K) tensors; with SLOTS, OQ is a (T, 3, H, K) buffer, OK / OV unused
     POS,  # (T,) int positions
     INV_FREQ,  # (J,) fp32
     T, H,
@@ -57,8 +57,12 @@ def _rotary_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    SLOTS: tl.constexpr,  # write q, k, v into the slots of the one buffer OQ (slot stride s_oq_h * H)
 ):
     scaling = tl.cast(scaling, tl.float32)  # torch.compile passes Python floats as fp64
+    if SLOTS:  # one output argument: torch.compile mis-handles several views of one buffer (rotary_bwd)
+        OK = OQ + s_oq_h * H
+        OV = OQ + 2 * s_oq_h * H
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_J)
@@ -115,23 +119,38 @@ def _inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
     return inv
 
 
-def _launch(xq: Tensor, xk: Tensor, oq: Tensor, ok: Tensor, positions: Tensor, theta: float,
-            scaling: float, sign: int, xv: Tensor | None = None, ov: Tensor | None = None) -> None:
-    """Rotate xq, xk into oq, ok; with `ov`, also copy xv into it (zeros when xv is None)."""
+def _launch(xq: Tensor, xk: Tensor, out: tuple[Tensor, ...] | Tensor, positions: Tensor, theta: float,
+            scaling: float, sign: int, xv: Tensor | None = None) -> None:
+    """Rotate xq, xk into the outputs; a third output gets a copy of xv (zeros when xv is None).
+
+    `out`: (oq, ok) or (oq, ok, ov), separate (T, H, K) tensors, or one (T, 3, H, K) tensor whose
+    three slots are written through the one argument (a triton_op's kernel must not be handed
+    several views of one buffer to write: see `attention_bwd`)."""
     T, H, K = xq.shape
     if T == 0:
         return
     H, K = int(H), int(K)  # constexprs and a cache key: a symbolic width is specialised
     BLOCK_T, BLOCK_H, BLOCK_J, num_warps = _tile(H, K)
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
-    v_mode = 0 if ov is None else 1 if xv is not None else 2
-    xv_, ov_ = (xq if xv is None else xv), (oq if ov is None else ov)  # unused pointers when mode 0
+    slots = isinstance(out, Tensor)
+    if slots:
+        assert out.stride(1) == out.stride(2) * H, "rotary: the slots buffer must be a contiguous (T, 3, H, K)"
+        oq = out.select(1, 0)
+        ok = ov = oq  # strides only: the kernel derives the k and v slots from OQ
+        ptrs = (out, xq, xq)  # unused OK / OV pointers: an input, never written
+    else:
+        oq, ok, *rest = out
+        ov = rest[0] if rest else oq
+        ptrs = (oq, ok, ov)
+    v_mode = 0 if not slots and len(out) == 2 else 1 if xv is not None else 2
+    xv_ = xq if xv is None else xv  # an unused pointer when mode 0
     launch(_rotary_kernel, grid,
-        xq, xk, xv_, oq, ok, ov_, positions.contiguous(), _inv_freq(K, theta, xq.device),
+        xq, xk, xv_, *ptrs, positions.contiguous(), _inv_freq(K, theta, xq.device),
         T, H,
-        *xq.stride()[:2], *xk.stride()[:2], *xv_.stride()[:2], *oq.stride()[:2], *ok.stride()[:2], *ov_.stride()[:2],
+        *xq.stride()[:2], *xk.stride()[:2], *xv_.stride()[:2], *oq.stride()[:2], *ok.stride()[:2], *ov.stride()[:2],
         scaling,
-        SIGN=sign, V_MODE=v_mode, J=K // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, num_warps=num_warps,
+        SIGN=sign, V_MODE=v_mode, J=K // 2, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, BLOCK_J=BLOCK_J, SLOTS=slots,
+        num_warps=num_warps,
     )
 
 
@@ -158,10 +177,10 @@ def rotary_fwd(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: flo
     q = torch.empty((T, H, K), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty_like(q)
     if not with_v:
-        _launch(qkv[:, 0], qkv[:, 1], q, k, positions_T, theta, scaling, 1)
+        _launch(qkv[:, 0], qkv[:, 1], (q, k), positions_T, theta, scaling, 1)
         return q, k
     v = torch.empty_like(q)
-    _launch(qkv[:, 0], qkv[:, 1], q, k, positions_T, theta, scaling, 1, xv=qkv[:, 2], ov=v)
+    _launch(qkv[:, 0], qkv[:, 1], (q, k, v), positions_T, theta, scaling, 1, xv=qkv[:, 2])
     return q, k, v
 
 
@@ -174,7 +193,7 @@ def rotary_bwd(dq_THK: Tensor, dk_THK: Tensor, positions_T: Tensor, theta: float
     dv = None if dv_THK is None else _last_contiguous(dv_THK)
     T, H, K = dq.shape
     dqkv = torch.empty((T, 3, H, K), dtype=dq.dtype, device=dq.device)
-    _launch(dq, dk, dqkv[:, 0], dqkv[:, 1], positions_T, theta, scaling, -1, xv=dv, ov=dqkv[:, 2])
+    _launch(dq, dk, dqkv, positions_T, theta, scaling, -1, xv=dv)
     return dqkv
 
 
@@ -268,7 +287,7 @@ def rotary(qkv_T3HK: Tensor, positions_T: Tensor, theta: float, scaling: float =
         if overwrite_input and direct_launch(qkv_T3HK) and qkv_T3HK.stride(-1) == 1:
             check_float("rotary", qkv_T3HK)
             q, k = qkv_T3HK[:, 0], qkv_T3HK[:, 1]
-            _launch(q, k, q, k, positions_T, theta, scaling, 1)
+            _launch(q, k, (q, k), positions_T, theta, scaling, 1)  # direct launches only: never traced
             return (q, k, qkv_T3HK[:, 2]) if with_v else (q, k)
         if direct_launch(qkv_T3HK):
             q, k = rotary_fwd(qkv_T3HK, positions_T, theta, scaling)
