@@ -9,7 +9,6 @@
 #   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep
 #   bash benchmarks/gpu_session.sh attention-short  # the same, query-64k and query-64k-window only (the short-sequence tiles)
 #   bash benchmarks/gpu_session.sh host-profile  # cProfile of the eager calls issue 19 finds host-bound
-#   bash benchmarks/gpu_session.sh compile-bisect  # which earlier test makes the compiled ModernBERT step fault (NOTES)
 #   bash benchmarks/gpu_session.sh attention-profile  # torch.profiler of one attention forward + backward (its host time)
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
@@ -68,7 +67,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [compile-bisect]=560 [host-profile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [host-profile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -84,7 +83,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|attention-profile|compile-bisect|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|compile|compile-bench|attention-profile|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -157,22 +156,6 @@ case "$stage" in
     attention-profile)  # where the host time of one attention forward + backward goes (torch.profiler)
         timeout 200 python3 -m benchmarks attention --only query-64k,doc-64k-window --no-check --profile \
             --out "$out/profile" 2>&1 | tee "$out/attention-profile.log" | tail -100 ;;
-    compile-bisect)  # tests/test_training_gpu.py as a file faults in the compiled ModernBERT step (an illegal
-        # address in its backward) while that test alone passes: each earlier test before it, one process each
-        f=tests/test_training_gpu.py c="$f::test_gpu_compiled_training_step_matches_eager[modernbert]" n=0
-        for before in "" "$f::test_gpu_finetune_loss_curve_matches_the_reference[modernbert]" \
-                "$f::test_gpu_finetune_loss_curve_matches_the_reference[deberta]" "$f::test_gpu_fused_backward_fp32_within_1e4_relative" \
-                "$f::test_gpu_layer_norm_backward_bf16_two_x_rule" "$f::test_gpu_compiled_training_step_matches_eager[deberta]"; do
-            log="$out/compile-bisect-$((++n)).log"
-            CUDA_LAUNCH_BLOCKING=1 timeout 90 python3 -m pytest -m gpu -q -x -p no:cacheprovider --tb=long $before "$c" >"$log" 2>&1
-            echo "before: ${before##*::} -> $(tail -1 "$log")"
-            # with blocking launches the deepest generated-code line names the kernel that faulted
-            grep -n "\.run(\|_kernel\|AcceleratorError" "$log" | grep -v "^.*def " | tail -4
-        done 2>&1 | tee "$out/compile-bisect.log"
-        if command -v compute-sanitizer >/dev/null; then
-            timeout 300 compute-sanitizer --print-limit 5 python3 -m pytest -m gpu -q -x -p no:cacheprovider "$f" 2>&1 \
-                | grep -v Warning | grep -m 40 -A12 "Invalid\|ERROR SUMMARY" | tee -a "$out/compile-bisect.log"
-        fi ;;
     host-profile)  # cProfile of the host-bound eager calls: DeBERTa mnli, ModernBERT query, a training step on doc-b8
         timeout 200 python3 -m benchmarks.host_profile --out "$out/host_profile.txt" 2>&1 | tee "$out/host-profile.log" | tail -5 ;;
     attention-short)  # the sweep on the short-sequence workloads alone
