@@ -11,10 +11,12 @@
 3. `symbolic`: each op's launcher with symbolic token and sequence counts (dynamic shapes):
    op name -> None or the error.
 4. `aliased_writes`: each op's launches, the tensors torch's kernel analysis says a kernel writes:
-   op name -> ["kernel: ARG shares memory with ARG2", ...]. torch.compile functionalizes a kernel's
-   written arguments one by one (clones, then writes back), so a written tensor that shares memory
-   with another argument (three views of one gradient buffer) is miscompiled: inductor sized a
-   clone of such a view past its buffer's end and the compiled ModernBERT backward faulted.
+   op name -> ["kernel: ARG shares memory with ARG2" or "kernel: ARG is an input of the op", ...].
+   torch.compile functionalizes a kernel's written arguments one by one (clones, then writes
+   back), so a written tensor that shares memory with another argument (three views of one
+   gradient buffer) is miscompiled: inductor sized a clone of such a view past its buffer's end
+   and the compiled ModernBERT backward faulted. An input the analysis counts as written (the ops
+   mutate none) costs a clone of it in every compiled graph.
 
 Run as a script, never under TRITON_INTERPRET (the interpreter has no compiled kernel to record);
 it prints {"trace": ..., "inductor_ttir": ..., "symbolic": ...}. `test_triton_op_trace.py` runs it.
@@ -243,6 +245,7 @@ def aliased_writes() -> dict[str, list[str]]:
     out = {}
     for name, args in cases(device="cpu"):
         out[name] = problems = []
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         for kernel, kargs, meta in _record_launches(name, args):
             kwargs = {**dict(zip(kernel.arg_names, kargs)), **meta}
             tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -253,6 +256,8 @@ def aliased_writes() -> dict[str, list[str]]:
                 writes, used = set(tkw.identify_mutated_tensors(kernel, dict(kwargs), {})), set(tensors)
             for w in sorted(writes & set(tensors)):  # a placeholder pointer the kernel never touches is fine
                 mem = tensors[w].untyped_storage().data_ptr()
+                if mem in inputs:
+                    problems.append(f"{kernel.fn.__name__}: {w} is an input of the op")
                 problems += [f"{kernel.fn.__name__}: {w} shares memory with {k}" for k in sorted(used & set(tensors))
                              if k != w and tensors[k].untyped_storage().data_ptr() == mem]
     return out

@@ -52,16 +52,18 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _spans(CU, pid, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.constexpr,
+def _spans(CU, rows, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.constexpr,
            BLOCK: tl.constexpr, BLOCK_IN: tl.constexpr):
-    """The BLOCK packed rows program `pid` owns, and what each sees on the other side.
+    """What each of the BLOCK packed `rows` a program owns sees on the other side.
 
     Row r of sequence [start, end) sees [a_r, b_r) = [max(start, r - lo_w), min(end, r + hi_w + 1))
-    (bounds applied only when LO_W / HI_W). Return (rows, in_t: row < T, valid: row < cu[S], a, b,
+    (bounds applied only when LO_W / HI_W). Return (in_t: row < T, valid: row < cu[S], a, b,
     blk_lo, mid_lo, mid_hi, blk_hi): the block loops over [blk_lo, blk_hi) in BLOCK_IN tiles from
     blk_lo; those in [mid_lo, mid_hi) lie inside every valid row's range (no per-element mask).
+    The caller forms `rows` (pid * BLOCK + arange) and addresses its stores with it: torch.compile's
+    analysis of which arguments a kernel writes runs before Triton inlines, takes a call's results
+    as depending on all its arguments, and would count CU as written were the rows returned here.
     """
-    rows = pid * BLOCK + tl.arange(0, BLOCK)  # int32 packed row ids
     in_t = rows < T
     r = tl.minimum(rows, T - 1)
     # The largest s with cu[s] <= r (invariant cu[lo] <= r < cu[hi]; empty sequences are skipped).
@@ -87,7 +89,7 @@ def _spans(CU, pid, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.cons
     full_hi = tl.min(tl.where(valid, b, T), 0)
     mid_lo = blk_lo + tl.cdiv(tl.maximum(full_lo - blk_lo, 0), BLOCK_IN) * BLOCK_IN
     mid_hi = mid_lo + tl.maximum(full_hi - mid_lo, 0) // BLOCK_IN * BLOCK_IN
-    return rows, in_t, valid, a, b, blk_lo, mid_lo, mid_hi, blk_hi
+    return in_t, valid, a, b, blk_lo, mid_lo, mid_hi, blk_hi
 
 
 @triton.jit
@@ -182,8 +184,9 @@ def _fwd_kernel(
 ):
     qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
     h = tl.program_id(1).to(tl.int64)
-    rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, tl.program_id(0), T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids
+    in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
+        CU, rows, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM

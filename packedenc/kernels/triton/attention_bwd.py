@@ -77,8 +77,9 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, r
               WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
     """dq of the BLOCK_M query rows of block `pid`; their delta = rowsum(dO * O), stored (H, T)
     for the dK/dV pass."""
-    rows, in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, pid, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids (see `_spans`)
+    in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
+        CU, rows, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -148,8 +149,9 @@ def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left
                 WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
     """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
-    cols, in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, pid, T, S, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 packed key rows (see `_spans`)
+    in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
+        CU, cols, T, S, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
