@@ -242,17 +242,3 @@ def attention_bwd(
     launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
            OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
     return g
-    do = do_THK
-    if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
-        do = do.contiguous()
-    args = (q_THK, k_THK, v_THK, o_THK, do, lse2_HT)
-    strides = (*q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o_THK.stride()[:2],
-               *do.stride()[:2], *dq.stride()[:2], *dk.stride()[:2], *dv.stride()[:2])
-    common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
-    delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
-    (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dq, dk, dv, *common,
-           OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
-    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, dq, dk, dv, *common,
-           OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
-    return dq, dk, dv
