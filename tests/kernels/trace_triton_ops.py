@@ -19,7 +19,8 @@
    mutate none) costs a clone of it in every compiled graph.
 
 Run as a script, never under TRITON_INTERPRET (the interpreter has no compiled kernel to record);
-it prints {"trace": ..., "inductor_ttir": ..., "symbolic": ...}. `test_triton_op_trace.py` runs it.
+it prints {"trace": ..., "inductor_ttir": ..., "symbolic": ..., "symbolic_scalars": ...,
+"aliased_writes": ...}. `test_triton_op_trace.py` runs it.
 """
 
 from __future__ import annotations
@@ -173,45 +174,29 @@ def _inductor_source(kernel, args: tuple, meta: dict, ints_one: bool = False):
 def inductor_ttir() -> dict[str, list]:
     """op name -> [(kernel, error or None)]: each launch of the op's CUDA branch (run on CPU tensors,
     its launches recorded instead of run) compiled to TTIR for sm_90 with inductor's argument types."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from triton._C.libtriton import ir
     from triton.compiler.compiler import make_backend
-
-    from packedenc.kernels.triton import _common
-
-    class _PassThrough(TorchDispatchMode):  # makes `launch` take its traced branch
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     options = backend.parse_options({})
-    launchers, out = _launchers(), {}
-    calls: list = []
-    saved = _common._traced_launch
-    _common._traced_launch = lambda kernel, grid, args, meta: calls.append((kernel, args, meta))
-    try:
-        for name, args in cases(device="cpu"):
-            calls.clear()
-            with _PassThrough():
-                launchers[name](*args)
-            out[name] = []
-            for (kernel, kargs, meta), ones in itertools.product(calls, (False, True)):
-                context = ir.context()
-                ir.load_dialects(context)
-                backend.load_dialects(context)
-                try:
-                    mod = _inductor_source(kernel, kargs, meta, ones).make_ir(
-                        target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                        context)
-                    # fp64 arguments are cast to fp32 once; any other f64 is fp64 math the eager launch lacks
-                    f64 = [ln.strip() for ln in str(mod).splitlines() if "f64" in ln and "arith.truncf" not in ln
-                           and "tt.func" not in ln and "loc(" not in ln.split("f64")[0][-6:]]
-                    out[name].append((kernel.fn.__name__, ones, f"fp64 math: {f64[:2]}" if f64 else None))
-                except Exception as e:  # noqa: BLE001  (reported, the test names it)
-                    out[name].append((kernel.fn.__name__, ones, " | ".join(str(e).strip().splitlines()[-3:])[:400]))
-    finally:
-        _common._traced_launch = saved
+    out = {}
+    for name, args in cases(device="cpu"):
+        out[name] = []
+        for (kernel, kargs, meta), ones in itertools.product(_record_launches(name, args), (False, True)):
+            context = ir.context()
+            ir.load_dialects(context)
+            backend.load_dialects(context)
+            try:
+                mod = _inductor_source(kernel, kargs, meta, ones).make_ir(
+                    target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                    context)
+                # fp64 arguments are cast to fp32 once; any other f64 is fp64 math the eager launch lacks
+                f64 = [ln.strip() for ln in str(mod).splitlines() if "f64" in ln and "arith.truncf" not in ln
+                       and "tt.func" not in ln and "loc(" not in ln.split("f64")[0][-6:]]
+                out[name].append((kernel.fn.__name__, ones, f"fp64 math: {f64[:2]}" if f64 else None))
+            except Exception as e:  # noqa: BLE001  (reported, the test names it)
+                out[name].append((kernel.fn.__name__, ones, " | ".join(str(e).strip().splitlines()[-3:])[:400]))
     return out
 
 
@@ -237,7 +222,8 @@ def _record_launches(name: str, args: tuple) -> list:
 
 
 def aliased_writes() -> dict[str, list[str]]:
-    """op name -> the written kernel arguments that share memory with another argument (none wanted)."""
+    """op name -> the written kernel arguments that share memory with another argument the kernel
+    touches, or with an input of the op (none wanted)."""
     from torch._higher_order_ops import triton_kernel_wrap as tkw
 
     if not torch.cuda.is_available():
