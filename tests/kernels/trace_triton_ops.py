@@ -235,11 +235,8 @@ def aliased_writes() -> dict[str, list[str]]:
         for kernel, kargs, meta in _record_launches(name, args):
             kwargs = {**dict(zip(kernel.arg_names, kargs)), **meta}
             tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-            if hasattr(tkw, "identify_accessed_tensors"):
-                rw = tkw.identify_accessed_tensors(kernel, dict(kwargs), {}).read_writes
-                writes, used = {d.name for d in rw.writes}, {d.name for d in (*rw.reads, *rw.writes)}
-            else:  # torch <= 2.11: writes only, every argument counted as used
-                writes, used = set(tkw.identify_mutated_tensors(kernel, dict(kwargs), {})), set(tensors)
+            rw = tkw.identify_accessed_tensors(kernel, dict(kwargs), {}).read_writes  # CPU CI's torch
+            writes, used = {d.name for d in rw.writes}, {d.name for d in (*rw.reads, *rw.writes)}
             for w in sorted(writes & set(tensors)):  # a placeholder pointer the kernel never touches is fine
                 mem = tensors[w].untyped_storage().data_ptr()
                 if mem in inputs:
