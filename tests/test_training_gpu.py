@@ -256,6 +256,7 @@ def test_gpu_compiled_training_step_matches_eager(model):
     # address). torch's access analysis counts cu_seqlens as written by the attention kernels (the
     # binary search's loop), so a clone of those S + 1 ints may stay.
     clones = [ln.strip() for ln in code.splitlines() if "= call_function[target=torch.ops.aten.clone.default]" in ln]
+    print(f"{model}: {len(clones)} clones in the compiled step's graphs", clones[:2])
     assert all('Tensor "i32[' in ln for ln in clones), clones[:4]
     assert eager[0] - eager[-1] > 0.2  # the steps train, so matching losses means matching updates
     for a, c in zip(eager, compiled):  # Inductor fuses the casts and the head differently: bf16 noise only
