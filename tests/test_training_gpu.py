@@ -251,13 +251,13 @@ def test_gpu_compiled_training_step_matches_eager(model):
     glu = ("_glu_fwd_kernel", "_glu_bwd_kernel") if model == "modernbert" else ()
     for kernel in ("_ln_fwd_kernel", "_ln_bwd_kernel", *glu):
         assert f"def {kernel}(" in code, kernel
-    # no functionalization clones of activations or gradients: a kernel handed several views of one
-    # buffer to write gets them (and inductor once sized one past its buffer's end: an illegal
-    # address). torch's access analysis counts cu_seqlens as written by the attention kernels (the
-    # binary search's loop), so a clone of those S + 1 ints may stay.
+    # no functionalization clones at all: a kernel handed several views of one buffer to write gets
+    # them (and inductor once sized one past its buffer's end: an illegal address), and an op input
+    # torch's access analysis counts as written (cu_seqlens, when a helper returned the rows the
+    # stores address) gets one per call.
     clones = [ln.strip() for ln in code.splitlines() if "= call_function[target=torch.ops.aten.clone.default]" in ln]
     print(f"{model}: {len(clones)} clones in the compiled step's graphs", clones[:2])
-    assert all('Tensor "i32[' in ln for ln in clones), clones[:4]
+    assert not clones, clones[:4]
     assert eager[0] - eager[-1] > 0.2  # the steps train, so matching losses means matching updates
     for a, c in zip(eager, compiled):  # Inductor fuses the casts and the head differently: bf16 noise only
         assert abs(a - c) <= 5e-3 * abs(a), (eager, compiled)
