@@ -314,3 +314,16 @@ def test_host_stub_runs_the_eager_cuda_path_with_launches_stubbed(tmp_path):
     assert all(x["ms"] > 0 and x["command"].startswith("python3 -m benchmarks.host_stub") for x in recs)
     # the Triton path ran (not the reference): 4 launches a DeBERTa layer, 4 a ModernBERT layer, plus embeddings
     assert recs[0]["launches"] >= 12 * 4 and recs[1]["launches"] >= 22 * 4, recs
+
+
+def test_kernel_profile_classes_and_table():
+    """`benchmarks.kernel_profile` sorts kernels into the classes its table sums (GPU-only otherwise)."""
+    from benchmarks import kernel_profile as kp
+
+    names = {"_attn_fwd_kernel": "attention", "flash_fwd_kernel_sm90": "attention", "_glu_fwd_kernel": "glu",
+             "GeGluGemmSm90_kernel": "glu", "_ln_fwd_kernel": "norm", "_rotary_kernel": "rope",
+             "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN": "gemm", "sm90_xmma_gemm_bf16bf16": "gemm",
+             "elementwise_kernel<128, 4>": "other"}
+    assert {n: kp.kernel_class(n) for n in names} == names
+    text = kp.table("long", "auto", {"_attn_fwd_kernel": (8, 3.0), "nvjet_x": (88, 1.0)}, top=5)
+    assert "4.00 ms of kernels" in text and "attention 3.00 (75%)" in text and "gemm 1.00 (25%)" in text
