@@ -21,10 +21,10 @@ import torch
 
 # kernel-name fragments -> class; the first match wins (lower-cased names)
 CLASSES = (
-    ("glu", ("glu", "gelu")),  # before attention: our GLU kernels' names end in _fwd_kernel too
-    ("attention", ("attn", "attention", "flash", "fmha", "_fwd_kernel", "_bwd_kernel")),
+    ("glu", ("glu", "gelu")),  # before attention: our GLU, norm and RoPE kernels end in _fwd_kernel too
     ("norm", ("_ln_", "layer_norm", "layernorm", "rmsnorm")),
     ("rope", ("rotary", "rope")),
+    ("attention", ("attn", "attention", "flash", "fmha", "_fwd_kernel", "_bwd_kernel")),
     ("gemm", ("gemm", "sm90_xmma", "cutlass", "nvjet", "cublas", "wgmma")),
 )
 
