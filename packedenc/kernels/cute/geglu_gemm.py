@@ -105,6 +105,16 @@ class GegluGemm:
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, out_ptr: cute.Pointer, T: cutlass.Int32,
                  stream: cuda.CUstream):
+        self._launch(x_ptr, w_ptr, out_ptr, T, stream)
+
+    @cute.jit
+    def call_tensors(self, mX_TD: cute.Tensor, mW: cute.Tensor, mO_TF: cute.Tensor, stream: cuda.CUstream):
+        """The same kernel behind a tensor entry (x (T, D), weight (2F, D), out (T, F), T dynamic): the
+        ABI of TVM-FFI's calling convention, where a compiled function takes torch tensors directly."""
+        self._launch(mX_TD.iterator, mW.iterator, mO_TF.iterator, mX_TD.shape[0], stream)
+
+    def _launch(self, x_ptr, w_ptr, out_ptr, T, stream):
+        """The host side both entries trace: layouts, TMA descriptors, grid, launch."""
         self._setup()
         D, F = self.D, self.F
         # (T, D, 1), (F, D, 2) and (T, F, 1), K / F contiguous; the last mode is the batch mode.
