@@ -11,7 +11,8 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
    rule (error <= 2 x that of the plain bf16 attention + 1e-3 x scale), and FA4 at K=128 (H=6)
    on doc-64k. Time: `fwd_ms` (no grad), `fwd_bwd_ms` (forward + autograd.grad of q, k, v),
    CUDA events, median of 15 after warm-up (FA4 compiles in the warm-up).
-2. geglu: the MLP input projection at 65,536 x 768 -> 2 x 1152 (`geglu-64k`): every backend that
+2. geglu: the MLP input projection at 65,536 x 768 -> 2 x 1152 (`geglu-64k`; and at 4,096 rows,
+   `geglu-4k`, a short batch where the host launch decides): every backend that
    registers `linear_glu` (`packedenc[<backend>]`), plus `torch` (F.linear, then F.gelu(a) * g) and
    `cublas-gemm` (the GEMM alone: the floor of a fused kernel); `ms`, forward, no grad, one call with
    its host launch, and `stream_ms`, calls queued back to back (the device's time).
@@ -23,7 +24,7 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
    (`modernbert-long`, `modernbert-doc-64k`): backend "triton" vs "cute"; `tokens_per_s`, and the
    minimum per-token cosine of cute's output against triton's.
 
-Records: `geglu-64k` in `results/ops_<gpu>.json` (beside the `ops` family's rows), the rest in
+Records: `geglu-64k` and `geglu-4k` in `results/ops_<gpu>.json` (beside the `ops` family's rows), the rest in
 `results/cute_<gpu>.json`; every record has system, workload, status, gpu, commit, command.
 A part whose packages are missing writes `absent` records with the import error.
 Shapes: T packed tokens, H heads, K head dim, D hidden, F mlp width.
@@ -135,8 +136,15 @@ def part_geglu(run: Run) -> list[dict[str, Any]]:
 
     kernels._load_backend("triton")
     kernels._load_backend("cute")
+    records = []
+    for tokens, workload in ((T64K, "geglu-64k"), (4096, "geglu-4k")):  # 4k: a short batch, host-bound
+        records += _geglu_at(run, tokens, workload, kernels._IMPLS, reference)
+    return records
+
+
+def _geglu_at(run: Run, tokens: int, workload: str, impls_by_backend: dict, reference: Any) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T64K, D, device="cuda", generator=g).to(BF16)
+    x = torch.randn(tokens, D, device="cuda", generator=g).to(BF16)
     w = (torch.randn(2 * FM, D, device="cuda", generator=g) * D**-0.5).to(BF16)
 
     def plain() -> torch.Tensor:
@@ -145,13 +153,13 @@ def part_geglu(run: Run) -> list[dict[str, Any]]:
 
     systems: dict[str, Callable[[], Any]] = {
         f"packedenc[{b}]": (lambda f=impls["linear_glu"]: f(x, w, None, "gelu"))
-        for b, impls in kernels._IMPLS.items() if b != "reference" and "linear_glu" in impls
+        for b, impls in impls_by_backend.items() if b != "reference" and "linear_glu" in impls
     }
     systems |= {"torch": plain, "cublas-gemm": lambda: F.linear(x, w)}
     rows = slice(0, 8192)  # the fp32 check on the first rows (the whole fp32 GEMM would be 0.6 GB more)
     want = reference.linear_glu(x[rows].float(), w.float(), None, "gelu")
     base_err = (reference.linear_glu(x[rows], w, None, "gelu").float() - want).abs().max().item()
-    fields = dict(workload="geglu-64k", tokens=T64K, shape=f"{T64K} x {D} -> 2 x {FM}", op="linear_glu")
+    fields = dict(workload=workload, tokens=tokens, shape=f"{tokens} x {D} -> 2 x {FM}", op="linear_glu")
     records = []
     for name, fn in systems.items():
         try:
@@ -241,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(line(r) for r in records))
     if not a.no_write:
         ops_run = dataclasses.replace(run, family="ops")  # geglu-64k lives beside the ops family's rows
-        geglu = [{**r, "family": "ops"} for r in records if r["workload"] == "geglu-64k"]
-        rest = [r for r in records if r["workload"] != "geglu-64k"]
+        geglu = [{**r, "family": "ops"} for r in records if r["workload"].startswith("geglu-")]
+        rest = [r for r in records if not r["workload"].startswith("geglu-")]
         for recs, path in ((geglu, ops_run.path(a.out_dir)), (rest, run.path(a.out_dir))):
             if recs:
                 write_records(recs, path)

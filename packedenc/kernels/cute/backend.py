@@ -30,6 +30,6 @@ _require()
 from packedenc.kernels.cute import attention, linear_glu, norms  # noqa: E402
 
 register_impl("cute", "varlen_attention", attention.varlen_attention, covers=attention.covers_fa4)
-register_impl("cute", "linear_glu", linear_glu.linear_glu, covers=linear_glu.covers_linear_glu)
+register_impl("cute", "linear_glu", linear_glu.covered_linear_glu, covers=linear_glu.covers_linear_glu)
 register_impl("cute", "layer_norm", norms.layer_norm, covers=norms.covers_layer_norm)
 register_impl("cute", "add_layer_norm", norms.add_layer_norm, covers=norms.covers_add_layer_norm)

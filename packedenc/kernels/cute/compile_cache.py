@@ -10,7 +10,8 @@ callable with the same arguments, without tracing or compiling anything.
 
 Entries live under a fingerprint of everything that changes the binary: the kernel's source files,
 the cutlass-dsl and Python versions, the target GPU architecture. One file per compile key (dtype,
-sizes, tile), named by the key's hash. A new kernel source or a cutlass upgrade gets a new folder;
+sizes, tile), named by the key's hash. Kernels are compiled with TVM-FFI's calling convention
+(`--enable-tvm-ffi`): the loaded function takes torch tensors and launches on torch's current stream. A new kernel source or a cutlass upgrade gets a new folder;
 old folders are left as they are (delete the cache folder to reclaim them).
 
 Writes never destroy: an entry is exported under a temporary name in the same folder and renamed
@@ -78,21 +79,22 @@ def _cutlass_version() -> str:
 
 
 def _export(fn: Any, folder: Path, stem: str) -> Path:
-    """Write `fn`'s object file as folder/stem.o (cutlass also writes a C header next to it, removed)."""
-    fn.export_to_c(file_path=str(folder), file_name=stem, function_prefix=_PREFIX)
-    (folder / f"{stem}.h").unlink(missing_ok=True)
-    return folder / f"{stem}.o"
+    """Write `fn` (compiled with TVM-FFI's calling convention) as the object file folder/stem.o."""
+    path = folder / f"{stem}.o"
+    fn.export_to_c(str(path), _PREFIX)
+    return path
 
 
 @functools.lru_cache(maxsize=1)
 def _preload_runtime() -> None:
-    # The loaded object calls into CuteDSL's CUDA runtime library; it must be visible to the
-    # dynamic linker globally (load_module opens it without RTLD_GLOBAL: "undefined symbol" otherwise).
+    # The loaded object calls into CuteDSL's CUDA runtime library and TVM-FFI's; they must be
+    # visible to the dynamic linker globally (load_module opens them without RTLD_GLOBAL:
+    # "undefined symbol" otherwise).
     import ctypes
 
     import cutlass.cute as cute
 
-    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True):
         if Path(lib).exists():
             ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
@@ -101,7 +103,7 @@ def _load(path: Path) -> Any:
     import cutlass.cute as cute
 
     _preload_runtime()
-    return getattr(cute.runtime.load_module(str(path)), _PREFIX)
+    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _PREFIX)
 
 
 def load_or_compile(key: Hashable, sources: Sequence[Path], compile: Callable[[], Any], *,
