@@ -112,14 +112,14 @@ def fake_cute(monkeypatch):
 def test_the_auto_row_is_chosen_on_its_record_and_hands_training_on(fake_cute):
     rows = auto.rows("linear_glu")
     assert [r.name for r in rows] == ["cute", "triton"]
-    assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k",)
+    assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k", "geglu-4k")
     assert rows[1].evidence == auto.DEFAULT[0].evidence  # triton keeps the row it had as the default
     every = {"triton", "flash", "cute"}.__contains__
     assert choose("linear_glu", "auto", "cuda", every) == "cute>triton"  # training and other inputs: triton
     assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "triton"  # without the extra
     assert choose("linear_glu", "cute", "cuda", every) == "cute>triton"
     assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "reference"
-    assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k)"
+    assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k, geglu-4k)"
 
 
 def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
