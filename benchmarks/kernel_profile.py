@@ -37,6 +37,17 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
+def wall_ms(params, ids, cu, max_seqlen: int, backend: str, reps: int) -> float:
+    """One forward's CUDA-event time (median of `reps`): what the family's `ms` counts. Beside the
+    kernels' sum it shows how long the GPU waited inside the call (host work before the first
+    launch, launch gaps)."""
+    import packedenc as pe
+    from benchmarks import common
+
+    with torch.no_grad():
+        return common.median_ms(lambda: pe.encode(params, ids, cu, max_seqlen, backend=backend), reps=reps, warmup=2)
+
+
 def profile_forward(params, ids, cu, max_seqlen: int, backend: str, reps: int) -> dict[str, tuple[int, float]]:
     """{kernel name: (launches a forward, device ms a forward)} over `reps` forwards."""
     import packedenc as pe
@@ -59,12 +70,13 @@ def profile_forward(params, ids, cu, max_seqlen: int, backend: str, reps: int) -
     return {k: (round(n / reps), ms / reps) for k, (n, ms) in totals.items()}
 
 
-def table(name: str, backend: str, kernels: dict[str, tuple[int, float]], top: int) -> str:
+def table(name: str, backend: str, kernels: dict[str, tuple[int, float]], top: int, wall: float | None = None) -> str:
     total = sum(ms for _, ms in kernels.values())
     by_class: dict[str, float] = collections.defaultdict(float)
     for k, (_, ms) in kernels.items():
         by_class[kernel_class(k)] += ms
-    out = [f"## {name}, backend={backend}: {total:.2f} ms of kernels a forward",
+    waited = "" if wall is None else f"; {wall:.2f} ms a forward by CUDA events: the GPU idle {wall - total:.2f} ms of it"
+    out = [f"## {name}, backend={backend}: {total:.2f} ms of kernels a forward{waited}",
            "  " + ", ".join(f"{c} {ms:.2f} ({ms / total:.0%})" for c, ms in sorted(by_class.items(), key=lambda x: -x[1]))]
     for k, (n, ms) in sorted(kernels.items(), key=lambda x: -x[1][1])[:top]:
         out.append(f"  {ms:8.3f} ms {n:5d}x  {kernel_class(k):9s} {k[:110]}")
@@ -94,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         for backend in a.backends:
             try:
                 kernels = profile_forward(params, ids, cu, b.max_seqlen, backend, a.reps)
+                wall = wall_ms(params, ids, cu, b.max_seqlen, backend, 9)
             except Exception as e:  # noqa: BLE001 - one backend missing (no stack) leaves the others
                 parts.append(f"## {wl_name}, backend={backend}: {type(e).__name__}: {e}"[:300])
                 continue
-            parts.append(table(f"{wl_name} ({int(ids.numel())} tokens)", backend, kernels, a.top))
+            parts.append(table(f"{wl_name} ({int(ids.numel())} tokens)", backend, kernels, a.top, wall))
             print(parts[-1], flush=True)
     if a.out:
         from benchmarks.records import replace_text
