@@ -246,3 +246,23 @@ def test_gpu_cute_linear_glu_table_training_compile_and_cuda_graph(cute_loaded):
         x.mul_(0.5)
         graph.replay()
         assert torch.equal(out, LG.linear_glu(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.cute
+def test_gpu_cute_linear_glu_runs_on_the_callers_stream(cute_loaded):
+    """The kernel goes to torch's current stream (TVM-FFI's environment stream), not the default one:
+    on a side stream whose input is written by work still queued there, it reads the written input."""
+    x, w = _xw(4096, 768, 1152, torch.bfloat16, "cuda")
+    ops = get_ops("cute", "cuda")
+    with torch.no_grad():
+        want = ops.linear_glu(x, w, None, "gelu")
+        side, src = torch.cuda.Stream(), x.clone()
+        x_late = torch.zeros_like(x)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time queued before the write
+            x_late.copy_(src)
+            got = ops.linear_glu(x_late, w, None, "gelu")
+        torch.cuda.synchronize()
+    assert torch.equal(got, want)  # on the default stream it would have read zeros
