@@ -28,11 +28,11 @@ from benchmarks.common import median_ms
 from benchmarks.records import git_commit, gpu_name, replace_text
 
 T64K, D, FM = 65536, 768, 1152
-# The default; fewer stages; weight slabs multicast to 2 M tiles; narrow N tiles (90 registers a thread,
-# so 3 stages leave room for 2 CTAs an SM: one's epilogue overlaps the other's mainloop); wide N
-# (255 registers, a few spilled bytes); one warp group.
-TILES = ("128,128,4,1,1", "128,128,3,1,1", "128,128,4,2,1", "128,64,4,1,1", "128,64,3,1,1", "128,192,3,1,1",
-         "64,128,4,1,1")
+# The default (persistent, clusters of 2 M tiles sharing the weight slabs); the same with one CTA a
+# tile (`,0`: no cross-tile prefetch); no cluster; fewer stages; weight slabs multicast along N; narrow
+# N tiles (two CTAs an SM fit: 264); wide N (255 registers, a few spilled bytes); one warp group.
+TILES = ("128,128,4,2,1", "128,128,4,2,1,0", "128,128,4,1,1", "128,128,3,2,1", "128,128,4,1,2", "128,64,3,1,1,264",
+         "128,192,3,1,1", "64,128,4,1,1")
 
 
 def _err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[float, float, bool]:
@@ -47,7 +47,9 @@ def _err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[float, fl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.cute_geglu_probe", description=__doc__.split("\n")[0])
-    ap.add_argument("--tiles", nargs="+", default=list(TILES), help="m,n,stages,cluster_m,cluster_n each")
+    ap.add_argument("--tiles", nargs="+", default=list(TILES),
+                    help="m,n,stages,cluster_m,cluster_n[,max_ctas] each; max_ctas: the persistent grid (default "
+                         "one CTA an SM; 0: one CTA a tile, no cross-tile prefetch)")
     ap.add_argument("--out", type=Path, help="write the records here as JSON")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -75,17 +77,20 @@ def main(argv: list[str] | None = None) -> int:
                          ("packedenc[triton]", lambda: tri(x, w, None, "gelu"))):
             records.append({**head, "system": name, "status": "ok", "ms": median_ms(fn, reps=20, warmup=5)})
         for spec in a.tiles:
-            m, n, stages, cm, cn = (int(v) for v in spec.split(","))
-            rec = {**head, "system": "packedenc[cute]", "tile": [m, n, stages, cm, cn]}
+            vals = [int(v) for v in spec.split(",")]
+            m, n, stages, cm, cn = vals[:5]
+            ctas = None if len(vals) < 6 else (vals[5] or 1 << 30)
+            rec = {**head, "system": "packedenc[cute]", "tile": [m, n, stages, cm, cn], "max_ctas": ctas}
             try:
                 tile = G.Tile(m, n, stages, (cm, cn))
-                run = lambda tile=tile: G.geglu(x, w, tile)  # noqa: E731
+                run = lambda tile=tile, ctas=ctas: G.geglu(x, w, tile, ctas)  # noqa: E731
                 e, base, ok = _err(run()[rows], x[rows], w)
-                e_r, base_r, ok_r = _err(G.geglu(x_ragged, w, tile), x_ragged, w)
+                e_r, base_r, ok_r = _err(G.geglu(x_ragged, w, tile, ctas), x_ragged, w)
                 rec.update(status="ok" if ok and ok_r else "wrong", err=e, err_plain=base, err_ragged=e_r,
                            err_plain_ragged=base_r, smem_bytes=G.smem_bytes(tile))
                 if ok and ok_r:
                     rec["ms"] = median_ms(run, reps=20, warmup=5)
+                    rec["stream_ms"] = median_ms(run, reps=5, warmup=1, calls=40)  # queued: the device's time
                 torch.cuda.synchronize()  # a faulting kernel fails here, inside its own record
             except Exception as ex:  # noqa: BLE001 - a failing tile is a record, not the end of the probe
                 traceback.print_exc()
@@ -97,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * T64K * D * 2 * FM
     for r in records:
         tile = ",".join(map(str, r.get("tile", []))) or "-"
+        tile += "" if r.get("max_ctas") is None else f" x{r['max_ctas'] if r['max_ctas'] < 1 << 30 else 'all'}"
         ms = r.get("ms")
         cells = f"{ms:7.3f} {ms / gemm_ms:8.2f} {flops / ms / 1e9:8.0f}" if ms else f"{'-':>7s} {'-':>8s} {'-':>8s}"
         check = "" if "err" not in r else (f"err {r['err']:.2e} (plain {r['err_plain']:.2e}), "
                                            f"ragged {r['err_ragged']:.2e}")
-        print(f"{r['system']:18s} {tile:18s} {cells}  {r['status']} {check} {r.get('error', '')}")
+        stream = f" stream {r['stream_ms']:.3f}" if r.get("stream_ms") else ""
+        print(f"{r['system']:18s} {tile:18s} {cells}{stream}  {r['status']} {check} {r.get('error', '')}")
     if a.out:
         replace_text(a.out, json.dumps(records, indent=1))
         print(f"records: {a.out}")

@@ -223,7 +223,7 @@ print("HOW", G.HOW[key], type(fn).__name__)
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
 def test_the_geglu_gemm_compiled_in_one_process_is_loaded_by_the_next(tmp_path):
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(ROOT), CC.ENV: str(tmp_path / "c")}
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), CC.ENV: str(tmp_path / "c")}
     outs = [subprocess.run([sys.executable, "-c", _PROCESS], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     for r in outs:

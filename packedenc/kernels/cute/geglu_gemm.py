@@ -3,23 +3,31 @@
 Shapes: T packed tokens, D hidden, F mlp width; weight (2F, D) in HF's (out, in) layout, input rows
 [0, F) then gate rows [F, 2F) (ModernBERT's Wi).
 
-Each CTA computes one (tile.m, tile.n) tile of the (T, F) output. TMA loads x's (m, 64) slab and
+Each (tile.m, tile.n) tile of the (T, F) output is one CTA's work: TMA loads x's (m, 64) slab and
 the matching (n, 64) slabs of BOTH weight halves into one pipeline stage; WGMMA accumulates them
 into two fp32 register tiles (input and gate) from the same x slab, so x is read once for both.
 The epilogue computes exact-erf GELU(a) * g in fp32, rounds once to x's dtype and stores through
-shared memory with TMA. u (T, 2F) is never written: that is the whole point against cuBLAS + gate.
+its own shared-memory buffers with TMA. u (T, 2F) is never written: that is the whole point
+against cuBLAS + gate.
+
+Persistent: one CTA an SM (a CTA's shared memory fills one) takes cluster tiles in turn, and warp 0
+keeps `stages` loads in flight over the CTA's whole (tile, k) sequence, so the next tile's first
+slabs load while this tile's epilogue runs (K = 768 is only 12 slabs: a tile's pipeline fill and
+epilogue are a large part of it). Clusters of 2 M tiles share each weight slab by TMA multicast.
 
 The weight is seen as a (F, D, 2) tensor (the two halves as a batch mode), so one TMA descriptor
 serves both halves and a ragged last N tile (F % tile.n != 0) reads zeros past row F of each half
 instead of the other half's rows. T is a runtime value (TMA zero-fills rows past T on load and
 clips them on store), so one compiled kernel per (dtype, D, F, tile) serves every pack.
 
-Follows the structure of CUTLASS's examples/python/CuTeDSL hopper dense_gemm.py (non-persistent,
-warp 0 issues the TMA loads between MMAs); the second accumulator, the batch-mode weight and the
-epilogue are ours. Requires CUTE_DSL's sm_90a target (WGMMA does not exist on sm100).
+Follows the structure of CUTLASS's examples/python/CuTeDSL hopper dense_gemm.py (warp 0 issues
+the TMA loads between MMAs, no warp specialisation); the persistent tile loop, the second
+accumulator, the batch-mode weight and the epilogue are ours. Requires CUTE_DSL's sm_90a target
+(WGMMA does not exist on sm100).
 """
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 
@@ -43,8 +51,12 @@ INV_SQRT2 = 1.0 / math.sqrt(2.0)
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 
+EPI_N, EPI_STAGES = 32, 4  # the epilogue's staging tiles (m x 32 for 16-bit outputs), in turn
+
+
 def smem_bytes(tile: "Tile") -> int:
-    return tile.stages * (tile.m + 2 * tile.n) * BK * 2 + 1024  # + barriers and alignment
+    # the load stages, the epilogue's own buffers (the next tile's slabs load meanwhile), barriers and alignment
+    return tile.stages * (tile.m + 2 * tile.n) * BK * 2 + EPI_STAGES * tile.m * EPI_N * 2 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +77,7 @@ class Tile:
             raise ValueError(f"Tile {self}: {smem_bytes(self)} B of shared memory > {SMEM_CAPACITY}")
 
 
-DEFAULT_TILE = Tile()
+DEFAULT_TILE = Tile(cluster=(2, 1))
 
 
 class GegluGemm:
@@ -81,7 +93,7 @@ class GegluGemm:
         self.mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_cta = 128 * self.mma_warp_groups
         self.tile_shape_mnk = (tile.m, tile.n, BK)
-        self.ab_stage, self.epi_stage = tile.stages, 4
+        self.ab_stage, self.epi_stage = tile.stages, EPI_STAGES
         self.num_mcast_ctas_a, self.num_mcast_ctas_b = tile.cluster[1], tile.cluster[0]
         self.is_a_mcast, self.is_b_mcast = self.num_mcast_ctas_a > 1, self.num_mcast_ctas_b > 1
 
@@ -102,13 +114,14 @@ class GegluGemm:
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stage)
 
     @cute.jit
-    def __call__(self, mX_TD: cute.Tensor, mW: cute.Tensor, mO_TF: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, mX_TD: cute.Tensor, mW: cute.Tensor, mO_TF: cute.Tensor, max_ctas: cutlass.Int32,
+                 stream: cuda.CUstream):
         """x (T, D), weight (2F, D), out (T, F); T is dynamic. Compiled with TVM-FFI's calling
         convention, so the compiled function takes torch tensors (~15 us a call on the H200 host, where
         building CuteDSL pointer objects and a stream object per call cost ~40 us more)."""
-        self._launch(mX_TD.iterator, mW.iterator, mO_TF.iterator, mX_TD.shape[0], stream)
+        self._launch(mX_TD.iterator, mW.iterator, mO_TF.iterator, mX_TD.shape[0], max_ctas, stream)
 
-    def _launch(self, x_ptr, w_ptr, out_ptr, T, stream):
+    def _launch(self, x_ptr, w_ptr, out_ptr, T, max_ctas, stream):
         """The traced host side: layouts, TMA descriptors, grid, launch."""
         self._setup()
         D, F = self.D, self.F
@@ -127,9 +140,13 @@ class GegluGemm:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mO,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
 
-        tiles = cute.ceil_div(cute.get(cute.zipped_divide(mO, (self.tile.m, self.tile.n)).layout, mode=[1]).shape,
-                              (*self.cluster_shape_mn, 1))
-        grid = tuple(c * s for c, s in zip(tiles, (*self.cluster_shape_mn, 1)))
+        # Persistent: at most max_ctas CTAs (one an SM fits), each taking cluster tiles in turn, so the
+        # next tile's first stages load while this tile's epilogue runs.
+        n_clusters = cute.ceil_div(cute.ceil_div(T, self.tile.m), self.cluster_shape_mn[0]) * cute.ceil_div(
+            cute.ceil_div(F, self.tile.n), self.cluster_shape_mn[1])
+        cluster_size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
+        grid_clusters = cutlass.max(cutlass.min(n_clusters, max_ctas // cluster_size), 1)
+        grid = (grid_clusters * self.cluster_shape_mn[0], self.cluster_shape_mn[1], 1)
 
         @cute.struct
         class SharedStorage:
@@ -137,6 +154,7 @@ class GegluGemm:
             sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem_layout_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem_layout_staged)], 1024]
             sG: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem_layout_staged)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.epi_smem_layout_staged)], 1024]
 
         self.shared_storage = SharedStorage
         self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, tma_atom_o, tma_o, self.tiled_mma, self.cta_layout_mnk,
@@ -160,25 +178,13 @@ class GegluGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_w)
         tidx, _, _ = cute.arch.thread_idx()
 
-        # Grouped raster: 8 M tiles (clusters) walk the N tiles together, so x's slabs and the
-        # weight stay in L2 between the CTAs that read them; the last cdimx % 8 M tiles form a
-        # narrower group. (Plain arithmetic, not CUTLASS's layout form: with fewer than 8 M tiles,
-        # T < 8 x tile.m, that form takes a remainder by zero before it reaches its tail branch.)
-        cidx, cidy, _ = cute.arch.cluster_idx()
-        cdimx, cdimy, _ = cute.arch.cluster_dim()  # the grid in clusters
-        cluster_id = cidx + cdimx * cidy
-        group_m = 8
-        group = group_m * cdimy  # clusters in one group of 8 M tiles
-        n_full = cdimx // group_m * group  # clusters in whole groups
-        cid_m = cluster_id // group * group_m + cluster_id % group_m
-        cid_n = cluster_id % group // group_m
-        if cluster_id >= n_full:  # then cdimx % 8 > 0
-            tail_m = cdimx % group_m
-            cid_m = cdimx - tail_m + (cluster_id - n_full) % tail_m
-            cid_n = (cluster_id - n_full) // tail_m
+        cidx, _, _ = cute.arch.cluster_idx()
+        n_ctas_clusters, _, _ = cute.arch.cluster_dim()  # the grid in clusters (one row)
+        cm, cn = self.cluster_shape_mn
+        num_m = cute.ceil_div(cute.ceil_div(cute.size(mO_mnl, mode=[0]), self.tile.m), cm)  # cluster tiles
+        num_n = cute.ceil_div(cute.ceil_div(self.F, self.tile.n), cn)
+        n_tiles = num_m * num_n
         in_cluster = cute.arch.block_in_cluster_idx()
-        pid_m = cid_m * self.cluster_shape_mn[0] + in_cluster[0]
-        pid_n = cid_n * self.cluster_shape_mn[1] + in_cluster[1]
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank)
 
@@ -205,19 +211,19 @@ class GegluGemm:
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sG = storage.sG.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        # The epilogue's staging buffer reuses x's stages (free once the mainloop is done).
-        sC = cute.make_tensor(cute.recast_ptr(sA.iterator, epi_smem_layout_staged.inner, dtype=self.dtype),
-                              epi_smem_layout_staged.outer)
+        # The epilogue's own staging buffer: x's stages fill with the next tile meanwhile.
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
+        # Every tile's slabs: (m | n, BK, tiles, k) views of x and the two weight halves; (m, n, tiles_m, tiles_n) of out.
         tile_mnk = self.tile_shape_mnk
-        gA = cute.local_tile(mX_mkl, tile_mnk, (pid_m, pid_n, None, 0), proj=(1, None, 1))  # (m, BK, k)
-        gB = cute.local_tile(mW_nkl, tile_mnk, (pid_m, pid_n, None, 0), proj=(None, 1, 1))  # input half
-        gG = cute.local_tile(mW_nkl, tile_mnk, (pid_m, pid_n, None, 1), proj=(None, 1, 1))  # gate half
-        gC = cute.local_tile(mO_mnl, tile_mnk, (pid_m, pid_n, None, 0), proj=(1, 1, None))  # (m, n)
+        gA = cute.local_tile(mX_mkl, tile_mnk, (None, None, None, 0), proj=(1, None, 1))
+        gB = cute.local_tile(mW_nkl, tile_mnk, (None, None, None, 0), proj=(None, 1, 1))  # input half
+        gG = cute.local_tile(mW_nkl, tile_mnk, (None, None, None, 1), proj=(None, 1, 1))  # gate half
+        gC = cute.local_tile(mO_mnl, tile_mnk, (None, None, None, 0), proj=(1, 1, None))
 
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.mma_warp_groups, stride=128)(wg_idx))
-        tCgC = thr_mma.partition_C(gC)
+        tCgC = thr_mma.partition_C(gC[(None, None, 0, 0)])
 
         a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
         b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
@@ -235,41 +241,29 @@ class GegluGemm:
         acc_g = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_gate.T
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
-        k_tiles = cute.size(gA, mode=[2])
+        k_tiles = cute.size(gA, mode=[3])
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
 
-        # Warp 0 fills the pipeline, then refills each stage as the MMAs hand it back. A stage is
-        # x's slab and both weight slabs, behind one barrier. (Inline, not a helper: the DSL
+        # Warp 0 keeps ab_stage loads in flight over this CTA's whole sequence of (tile, k) slabs:
+        # the producer's count is the slab's place in it. (`producer.advance()` stays inline: the DSL
         # carries `producer` through the dynamic loops only if it is updated in their bodies.)
+        slabs = (tma_atom_x, tAgA, tAsA, tma_atom_w, tBgB, tBsB, tGgG, tGsG, a_mcast_mask, b_mcast_mask)
         if warp_idx == 0:
-            for _ in cutlass.range(cutlass.min(self.ab_stage, k_tiles), unroll=1):
-                mainloop.producer_acquire(producer)
-                bar = mainloop.producer_get_barrier(producer)
-                cute.copy(tma_atom_x, tAgA[(None, producer.count)], tAsA[(None, producer.index)], tma_bar_ptr=bar,
-                          mcast_mask=a_mcast_mask)
-                cute.copy(tma_atom_w, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=bar,
-                          mcast_mask=b_mcast_mask)
-                cute.copy(tma_atom_w, tGgG[(None, producer.count)], tGsG[(None, producer.index)], tma_bar_ptr=bar,
-                          mcast_mask=b_mcast_mask)
-                mainloop.producer_commit(producer)
-                producer.advance()
+            for _ in cutlass.range(self.ab_stage, unroll=1):
+                ld_tile = cidx + producer.count // k_tiles * n_ctas_clusters
+                if ld_tile < n_tiles:
+                    self._load(mainloop, producer, self._tile_mn(ld_tile, num_m, num_n, in_cluster),
+                               producer.count % k_tiles, slabs)
+                    producer.advance()
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         num_k_blocks = cute.size(tCrA, mode=[2])
 
-        # First k tile, unrolled at trace time: the first k block of each accumulator overwrites it.
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        mainloop.consumer_wait(read)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            cute.gemm(tiled_mma, acc_a, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc_a)
-            cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)], tCrG[(None, None, kb, read.index)], acc_g)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-        read.advance()
-
-        for _ in cutlass.range(1, k_tiles, 1, unroll=1):
+        for tile in cutlass.range(cidx, n_tiles, n_ctas_clusters, unroll=1):
+            pid_m, pid_n = self._tile_mn(tile, num_m, num_n, in_cluster)
+            # k tile 0, unrolled at trace time: the first k block of each accumulator overwrites it.
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mainloop.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
@@ -277,41 +271,83 @@ class GegluGemm:
                           acc_a)
                 cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)], tCrG[(None, None, kb, read.index)],
                           acc_g)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.commit_group()
-            # One WGMMA group stays in flight: the previous stage is read, hand it back to TMA.
-            cute.nvgpu.warpgroup.wait_group(1)
-            mainloop.consumer_release(release)
             read.advance()
-            release.advance()
-            if warp_idx == 0 and producer.count < k_tiles:
-                mainloop.producer_acquire(producer)
-                bar = mainloop.producer_get_barrier(producer)
-                cute.copy(tma_atom_x, tAgA[(None, producer.count)], tAsA[(None, producer.index)], tma_bar_ptr=bar,
-                          mcast_mask=a_mcast_mask)
-                cute.copy(tma_atom_w, tBgB[(None, producer.count)], tBsB[(None, producer.index)], tma_bar_ptr=bar,
-                          mcast_mask=b_mcast_mask)
-                cute.copy(tma_atom_w, tGgG[(None, producer.count)], tGsG[(None, producer.index)], tma_bar_ptr=bar,
-                          mcast_mask=b_mcast_mask)
-                mainloop.producer_commit(producer)
-                producer.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
 
-        self.epilogue(acc_a, acc_g, sC, gC, tiled_mma, tma_atom_o, tidx, warp_idx)
+            # Each later k tile hands the previous stage back (one WGMMA group stays in flight) and
+            # warp 0 refills it with the next slab in this CTA's sequence; the last stage goes back
+            # after the final wait, so ab_stage loads stay in flight into the next tile's k tiles
+            # while this tile's epilogue runs.
+            for k in cutlass.range(1, k_tiles + 1, unroll=1):
+                if k < k_tiles:
+                    mainloop.consumer_wait(read)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        cute.gemm(tiled_mma, acc_a, tCrA[(None, None, kb, read.index)],
+                                  tCrB[(None, None, kb, read.index)], acc_a)
+                        cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)],
+                                  tCrG[(None, None, kb, read.index)], acc_g)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+                ld_tile = cidx + producer.count // k_tiles * n_ctas_clusters
+                if warp_idx == 0 and ld_tile < n_tiles:
+                    self._load(mainloop, producer, self._tile_mn(ld_tile, num_m, num_n, in_cluster),
+                               producer.count % k_tiles, slabs)
+                    producer.advance()
 
-    @cute.jit
-    def epilogue(self, acc_a: cute.Tensor, acc_g: cute.Tensor, sC: cute.Tensor, gC: cute.Tensor,
-                 tiled_mma: cute.TiledMma, tma_atom_o: cute.CopyAtom, tidx: cutlass.Int32, warp_idx: cutlass.Int32):
-        # gelu(a) * g in fp32, exact erf (HF "gelu"), into acc_a; rounded once when stored.
-        a = acc_a.load()
-        acc_a.store(0.5 * a * (1.0 + cute.math.erf(a * INV_SQRT2, fastmath=True)) * acc_g.load())
+            rounds = (tile - cidx) // n_ctas_clusters  # this CTA's tiles before this one: the store buffers' turn
+            self.epilogue(acc_a, acc_g, sC, gC[(None, None, pid_m, pid_n)], tiled_mma, tma_atom_o, tidx, warp_idx,
+                          rounds)
 
-        # sC aliases x's stages: every warp group (and peer CTA, which multicasts into them)
-        # must be done reading before the first store.
+        if warp_idx == 0:
+            cute.arch.cp_async_bulk_wait_group(0)  # this CTA's last stores are done before it exits
+        # a peer CTA may still multicast into this one's stages or wait on its barriers
         if cute.size(self.cluster_shape_mn) > 1:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+
+    @cute.jit
+    def _load(self, mainloop, producer, tile_mn, k, slabs):
+        """Warp 0: x's slab and both weight slabs of (tile, k) into the producer's stage, one barrier."""
+        tma_atom_x, tAgA, tAsA, tma_atom_w, tBgB, tBsB, tGgG, tGsG, a_mcast_mask, b_mcast_mask = slabs
+        m, n = tile_mn
+        mainloop.producer_acquire(producer)
+        bar = mainloop.producer_get_barrier(producer)
+        cute.copy(tma_atom_x, tAgA[(None, m, k)], tAsA[(None, producer.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+        cute.copy(tma_atom_w, tBgB[(None, n, k)], tBsB[(None, producer.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+        cute.copy(tma_atom_w, tGgG[(None, n, k)], tGsG[(None, producer.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+        mainloop.producer_commit(producer)
+
+    @cute.jit
+    def _tile_mn(self, t: cutlass.Int32, num_m: cutlass.Int32, num_n: cutlass.Int32, in_cluster):
+        """Cluster tile t's CTA tile (m, n), grouped: 8 M tiles (clusters) walk the N tiles together,
+        so x's slabs and the weight stay in L2 between the CTAs that read them at once; the last
+        num_m % 8 M tiles form a narrower group. (Plain arithmetic, not CUTLASS's layout form: with
+        fewer than 8 M tiles that form takes a remainder by zero before it reaches its tail branch.)"""
+        group_m = 8
+        group = group_m * num_n  # cluster tiles in one group of 8 M tiles
+        n_full = num_m // group_m * group  # cluster tiles in whole groups
+        cid_m = t // group * group_m + t % group_m
+        cid_n = t % group // group_m
+        if t >= n_full:  # then num_m % 8 > 0
+            tail_m = num_m % group_m
+            cid_m = num_m - tail_m + (t - n_full) % tail_m
+            cid_n = (t - n_full) // tail_m
+        return cid_m * self.cluster_shape_mn[0] + in_cluster[0], cid_n * self.cluster_shape_mn[1] + in_cluster[1]
+
+    @cute.jit
+    def epilogue(self, acc_a: cute.Tensor, acc_g: cute.Tensor, sC: cute.Tensor, gC: cute.Tensor,
+                 tiled_mma: cute.TiledMma, tma_atom_o: cute.CopyAtom, tidx: cutlass.Int32, warp_idx: cutlass.Int32,
+                 rounds: cutlass.Int32):
+        # gelu(a) * g in fp32, exact erf (HF "gelu"), into acc_a; rounded once when stored.
+        a = acc_a.load()
+        acc_a.store(0.5 * a * (1.0 + cute.math.erf(a * INV_SQRT2, fastmath=True)) * acc_g.load())
 
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=self.dtype,
                                                           elem_ty_acc=self.acc_dtype)
@@ -332,12 +368,15 @@ class GegluGemm:
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                                                 self.threads_per_cta))
-        for epi_idx in cutlass.range_constexpr(cute.size(gC_epi, mode=[1])):
+        n_epi = cute.size(gC_epi, mode=[1])
+        for epi_idx in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_rD):
                 tRS_rD[v] = tRS_rAcc[epi_idx * n_rD + v]
             tRS_rD_out = cute.make_rmem_tensor_like(rD_layout, self.dtype)
             tRS_rD_out.store(tRS_rD.load().to(self.dtype))
-            buf = epi_idx % cute.size(tRS_sD, mode=[3])
+            # buffers in turn across this CTA's tiles: the acquire after each store keeps the
+            # oldest one's store finished before its buffer is written again
+            buf = (rounds * n_epi + epi_idx) % cute.size(tRS_sD, mode=[3])
             cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
             cute.arch.fence_proxy("async.shared", space="cta")  # st.shared visible to the TMA store
             pipeline.sync(barrier_id=1)
@@ -346,8 +385,6 @@ class GegluGemm:
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             pipeline.sync(barrier_id=1)
-        if warp_idx == 0:
-            store_pipe.producer_tail()
 
 
 # ---- host side: compile once per (dtype, D, F, tile) and machine, launch per call -------------------
@@ -371,14 +408,21 @@ def compiled(dtype: torch.dtype, D: int, F: int, tile: Tile = DEFAULT_TILE):
         _COMPILED[key], HOW[key] = compile_cache.load_or_compile(
             key, (Path(__file__),),
             lambda: cute.compile(GegluGemm(cdt, D, F, tile), _fake(cdt, T, D), _fake(cdt, 2 * F, D), _fake(cdt, T, F),
-                                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                                 cutlass.Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                                  options="--enable-tvm-ffi"))
     return _COMPILED[key]
 
 
-def geglu(x_TD: torch.Tensor, weight: torch.Tensor, tile: Tile = DEFAULT_TILE) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def geglu(x_TD: torch.Tensor, weight: torch.Tensor, tile: Tile = DEFAULT_TILE, max_ctas: int | None = None) -> torch.Tensor:
     """gelu(x @ weight[:F].T) * (x @ weight[F:].T), (T, F) in x's dtype. No checks beyond asserts:
-    the caller (`linear_glu.covers_linear_glu`) decides which inputs come here."""
+    the caller (`linear_glu.covers_linear_glu`) decides which inputs come here. `max_ctas`: the
+    persistent grid's size, default one CTA per SM (a CTA's shared memory fills one); a value of at
+    least the tile count gives every tile its own CTA (no cross-tile prefetch: the probes' baseline)."""
     T, D = x_TD.shape
     F = weight.shape[0] // 2
     assert weight.shape == (2 * F, D) and x_TD.dtype == weight.dtype and x_TD.is_contiguous() and weight.is_contiguous()
@@ -390,9 +434,11 @@ def geglu(x_TD: torch.Tensor, weight: torch.Tensor, tile: Tile = DEFAULT_TILE) -
     if weight.data_ptr() % 16:
         weight = weight.clone()
     fn = compiled(x_TD.dtype, D, F, tile)
-    if x_TD.device.index == torch.cuda.current_device():  # the launch goes to the current device
-        fn(x_TD, weight, out_TF)  # on torch's current stream (TVM-FFI's environment stream)
+    index = x_TD.device.index
+    ctas = _sm_count(index) if max_ctas is None else max_ctas
+    if index == torch.cuda.current_device():  # the launch goes to the current device
+        fn(x_TD, weight, out_TF, ctas)  # on torch's current stream (TVM-FFI's environment stream)
     else:
         with torch.cuda.device(x_TD.device):
-            fn(x_TD, weight, out_TF)
+            fn(x_TD, weight, out_TF, ctas)
     return out_TF
