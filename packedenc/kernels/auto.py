@@ -22,8 +22,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN", "inference", "long_global",
-           "uncaptured"]
+__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN", "LARGE_PACK", "inference",
+           "long_global", "large_pack", "uncaptured"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,20 @@ def long_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor,
     return tuple(window) == (-1, -1) and max_seqlen >= LONG_SEQLEN
 
 
+# The packed tokens from which the CuteDSL GeGLU GEMM takes the MLP input projection. On 3.6k-token
+# `query` batches, eager and host-bound, ModernBERT-base ran slower with it than with the Triton
+# entry (history/modernbert_h200_c9c855a_query_cute.json: 801k / 719k vs 846k / 829k tokens/s, host
+# 4.6-4.8 vs 4.1 ms a batch) although the op alone is faster at 4k rows (ops_h200.json geglu-4k);
+# it wins at 64k (geglu-64k) and in the long and doc-64k models. Batches in between are unmeasured:
+# the threshold stays below the smallest measured win (long's 33.8k-token batches).
+LARGE_PACK = 32768
+
+
+def large_pack(x_TD: Tensor, *args: object, **kwargs: object) -> bool:
+    """An op call over a pack of at least LARGE_PACK tokens (its first argument's rows)."""
+    return x_TD.shape[0] >= LARGE_PACK
+
+
 def inference(*args: object, **kwargs: object) -> bool:
     """Any op's call with no gradient to compute (no tensor argument requires one, or grad is off)."""
     if not torch.is_grad_enabled():
@@ -92,7 +106,7 @@ def uncaptured(*args: object, **kwargs: object) -> bool:
     return t is None or not t.is_cuda or not torch.cuda.is_current_stream_capturing()
 
 
-SHAPES = {"long-global": long_global, "inference": inference, "uncaptured": uncaptured}
+SHAPES = {"long-global": long_global, "inference": inference, "uncaptured": uncaptured, "large-pack": large_pack}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -136,9 +150,9 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
         Row("triton", Evidence("deberta_h200.json", "tokens_per_s", "packedenc", "disentangled-flash",
                                ("mnli", "doc1k", "long"))),
     ),
-    "linear_glu": (  # cute: one GEMM with the gate in its epilogue, inference only (its covers rule); one
-        # call with its host launch, at 64k rows and at 4k (a short batch, where the launch decides)
-        Row("cute", Evidence("ops_h200.json", "ms", "packedenc[cute]", "packedenc[triton]", ("geglu-64k", "geglu-4k"))),
+    "linear_glu": (  # cute: one GEMM with the gate in its epilogue, inference only (its covers rule), on
+        # large packs (LARGE_PACK says why not below)
+        Row("cute", Evidence("ops_h200.json", "ms", "packedenc[cute]", "packedenc[triton]", ("geglu-64k",)), "large-pack"),
         Row("triton", _MODEL),
     ),
     "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens.

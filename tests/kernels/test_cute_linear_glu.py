@@ -111,15 +111,15 @@ def fake_cute(monkeypatch):
 
 def test_the_auto_row_is_chosen_on_its_record_and_hands_training_on(fake_cute):
     rows = auto.rows("linear_glu")
-    assert [r.name for r in rows] == ["cute", "triton"]
-    assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k", "geglu-4k")
+    assert [r.name for r in rows] == ["cute[large-pack]", "triton"]
+    assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k",) and rows[0].shape == "large-pack"
     assert rows[1].evidence == auto.DEFAULT[0].evidence  # triton keeps the row it had as the default
     every = {"triton", "flash", "cute"}.__contains__
-    assert choose("linear_glu", "auto", "cuda", every) == "cute>triton"  # training and other inputs: triton
+    assert choose("linear_glu", "auto", "cuda", every) == "cute[large-pack]>triton"  # training, short packs: triton
     assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "triton"  # without the extra
     assert choose("linear_glu", "cute", "cuda", every) == "cute>triton"
     assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "reference"
-    assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k, geglu-4k)"
+    assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k)"
 
 
 def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
@@ -135,6 +135,15 @@ def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
         with torch.no_grad():
             fn(x, w, None, "gelu")  # inputs that require grad, in inference
     assert fake_cute == ["cute", "triton", "triton", "triton", "triton", "cute"]
+
+
+def test_auto_sends_only_large_packs_to_the_cute_gemm(fake_cute):
+    fn = kernels._entry("linear_glu", choose("linear_glu", "auto", "cuda", {"triton", "cute"}.__contains__))
+    with FakeTensorMode(), torch.no_grad():
+        w = torch.empty(2304, 768, device="cuda", dtype=torch.bfloat16)
+        for tokens in (3628, auto.LARGE_PACK - 1, auto.LARGE_PACK, 65536):
+            fn(torch.empty(tokens, 768, device="cuda", dtype=torch.bfloat16), w, None, "gelu")
+    assert fake_cute == ["triton", "triton", "cute", "cute"]
 
 
 # ---- the kernel lowers without a GPU ---------------------------------------------------------------
@@ -219,7 +228,7 @@ def test_gpu_cute_linear_glu_unaligned_input_is_copied_not_misread(cute_loaded):
 def test_gpu_cute_linear_glu_table_training_compile_and_cuda_graph(cute_loaded):
     ops, tri = get_ops("cute", "cuda"), get_ops("triton", "cuda")
     assert dict(ops.chosen)["linear_glu"] == "cute>triton"
-    assert dict(get_ops("auto", "cuda").chosen)["linear_glu"] == "cute>triton"
+    assert dict(get_ops("auto", "cuda").chosen)["linear_glu"] == "cute[large-pack]>triton"
     x, w = _xw(1000, 768, 1152, torch.bfloat16, "cuda")
     with torch.no_grad():
         eager = ops.linear_glu(x, w, None, "gelu")
