@@ -20,9 +20,10 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
    `add_layer_norm-64k`): `packedenc[cute]` (quack through the op table) and `packedenc[triton]`,
    plus quack's kernels called directly (`quack`, `quack[fused-add]`); `fwd_ms`, `fwd_bwd_ms`, their
    queued-call `*_stream_ms`, errors; the forwards again at 4,096 rows (`-4k`).
-4. model: ModernBERT-base (random weights) `encode` on the first batches of `long` and `doc-64k`
-   (`modernbert-long`, `modernbert-doc-64k`): backend "triton" vs "cute"; `tokens_per_s`, and the
-   minimum per-token cosine of cute's output against triton's.
+4. model: ModernBERT-base (random weights) `encode` on the first batches of `long`, `doc-64k` and
+   `query` (`modernbert-long`, `modernbert-doc-64k`, `modernbert-query`: the last host-bound, where
+   a choice of `auto` can lose by its launches): backend "triton" vs "cute" vs "auto"; `tokens_per_s`,
+   and the minimum per-token cosine of cute's output against triton's.
 
 Records: `geglu-64k` and `geglu-4k` in `results/ops_<gpu>.json` (beside the `ops` family's rows), the rest in
 `results/cute_<gpu>.json`; every record has system, workload, status, gpu, commit, command.
@@ -194,7 +195,7 @@ def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
     params = pe.tree_to(init(ModernBertConfig(), torch.Generator().manual_seed(0), dtype=BF16), "cuda")
     err = cute_error()
     records = []
-    for name in ("long", "doc-64k"):
+    for name in ("long", "doc-64k", "query"):  # query: eager short batches, where the host decides
         wl = workload_named(name, MODERNBERT_WORKLOADS, params.config.vocab_size)
         packs = [wl.batch(i) for i in range(min(batches, len(wl.batches)))]
         inputs = [(b.ids.to("cuda"), b.cu_seqlens.to("cuda"), b.max_seqlen) for b in packs]
@@ -247,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         records += parts[name](run)
     print(f"\n## cute vs triton, bf16 on {run.gpu} ({time.perf_counter() - t0:.0f}s, commit {run.commit})")
     print("\n".join(line(r) for r in records))
+    from benchmarks import targets
+
+    geglu = [r for r in records if r["workload"].startswith("geglu-")]
+    for target_line in targets.report("cute", records) + targets.report("ops", geglu):
+        print(target_line)
     if not a.no_write:
         ops_run = dataclasses.replace(run, family="ops")  # geglu-64k lives beside the ops family's rows
         geglu = [{**r, "family": "ops"} for r in records if r["workload"].startswith("geglu-")]

@@ -327,3 +327,22 @@ def test_kernel_profile_classes_and_table():
     assert {n: kp.kernel_class(n) for n in names} == names
     text = kp.table("long", "auto", {"_attn_fwd_kernel": (8, 3.0), "nvjet_x": (88, 1.0)}, top=5)
     assert "4.00 ms of kernels" in text and "attention 3.00 (75%)" in text and "gemm 1.00 (25%)" in text
+
+
+def test_issue_21_targets_read_the_cute_and_ops_records():
+    """The cute family's targets (auto vs Triton-only on the ModernBERT models, the GeGLU bound) judge
+    records as `benchmarks.cute` writes them."""
+    from benchmarks import targets
+
+    def rec(system, workload, **fields):
+        return dict(system=system, workload=workload, status="ok", **fields)
+
+    cute = [rec("packedenc", "modernbert-long", tokens_per_s=1.2e6),
+            rec("packedenc[triton]", "modernbert-long", tokens_per_s=1.1e6),
+            rec("packedenc", "modernbert-query", tokens_per_s=7.9e5),
+            rec("packedenc[triton]", "modernbert-query", tokens_per_s=8.0e5)]
+    lines = targets.report("cute", cute)
+    assert lines[0].startswith("MISSED modernbert-long") and "1.09x" in lines[0]  # 1.2 / 1.1 < 1.15
+    assert lines[1].startswith("MISSED modernbert-query")  # auto slower than what it replaced
+    ops = targets.report("ops", [rec("packedenc[cute]", "geglu-64k", ms=0.44)])
+    assert ops == ["ok     geglu-64k ms: packedenc[cute] <= 0.45 (issue 21): 0.44 (packedenc[cute])"]
