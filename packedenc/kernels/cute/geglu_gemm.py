@@ -179,7 +179,7 @@ class GegluGemm:
         tidx, _, _ = cute.arch.thread_idx()
 
         cidx, _, _ = cute.arch.cluster_idx()
-        n_ctas_clusters, _, _ = cute.arch.cluster_dim()  # the grid in clusters (one row)
+        grid_clusters, _, _ = cute.arch.cluster_dim()  # the grid, in clusters (one row of them)
         cm, cn = self.cluster_shape_mn
         num_m = cute.ceil_div(cute.ceil_div(cute.size(mO_mnl, mode=[0]), self.tile.m), cm)  # cluster tiles
         num_n = cute.ceil_div(cute.ceil_div(self.F, self.tile.n), cn)
@@ -250,7 +250,7 @@ class GegluGemm:
         slabs = (tma_atom_x, tAgA, tAsA, tma_atom_w, tBgB, tBsB, tGgG, tGsG, a_mcast_mask, b_mcast_mask)
         if warp_idx == 0:
             for _ in cutlass.range(self.ab_stage, unroll=1):
-                ld_tile = cidx + producer.count // k_tiles * n_ctas_clusters
+                ld_tile = cidx + producer.count // k_tiles * grid_clusters
                 if ld_tile < n_tiles:
                     self._load(mainloop, producer, self._tile_mn(ld_tile, num_m, num_n, in_cluster),
                                producer.count % k_tiles, slabs)
@@ -260,7 +260,7 @@ class GegluGemm:
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         num_k_blocks = cute.size(tCrA, mode=[2])
 
-        for tile in cutlass.range(cidx, n_tiles, n_ctas_clusters, unroll=1):
+        for tile in cutlass.range(cidx, n_tiles, grid_clusters, unroll=1):
             pid_m, pid_n = self._tile_mn(tile, num_m, num_n, in_cluster)
             # k tile 0, unrolled at trace time: the first k block of each accumulator overwrites it.
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -295,13 +295,13 @@ class GegluGemm:
                     cute.nvgpu.warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
-                ld_tile = cidx + producer.count // k_tiles * n_ctas_clusters
+                ld_tile = cidx + producer.count // k_tiles * grid_clusters
                 if warp_idx == 0 and ld_tile < n_tiles:
                     self._load(mainloop, producer, self._tile_mn(ld_tile, num_m, num_n, in_cluster),
                                producer.count % k_tiles, slabs)
                     producer.advance()
 
-            rounds = (tile - cidx) // n_ctas_clusters  # this CTA's tiles before this one: the store buffers' turn
+            rounds = (tile - cidx) // grid_clusters  # this CTA's tiles before this one: the store buffers' turn
             self.epilogue(acc_a, acc_g, sC, gC[(None, None, pid_m, pid_n)], tiled_mma, tma_atom_o, tidx, warp_idx,
                           rounds)
 
