@@ -72,7 +72,7 @@ _BACKEND_MODULES = {
     "cute": ("packedenc.kernels.cute.backend",),
 }
 # What to install for an optional backend (named in the ConfigError when it does not load).
-_EXTRAS = {"cute": "pip install 'packedenc[cute]' (nvidia-cutlass-dsl, flash-attn-4, quack-kernels; an sm90+ GPU)"}
+_EXTRAS = {"cute": "pip install 'packedenc[cute]' (nvidia-cutlass-dsl, flash-attn-4, quack-kernels, apache-tvm-ffi; an sm90+ GPU)"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """CuteDSL kernels and the FlashAttention-4 path: the optional "cute" backend (sm90+).
 
-    pip install 'packedenc[cute]'    # nvidia-cutlass-dsl, flash-attn-4, quack-kernels, pinned
+    pip install 'packedenc[cute]'    # nvidia-cutlass-dsl, flash-attn-4, quack-kernels, apache-tvm-ffi, pinned
 
 What it registers (`backend.py`, imported by the op table when "cute" is asked for or tried by
 "auto"): `varlen_attention` through FlashAttention-4's CuteDSL varlen kernels, forward and

@@ -13,6 +13,7 @@ from packedenc.kernels import register_impl
 
 REQUIRES = {"cutlass": "nvidia-cutlass-dsl", "cutlass.cute": "nvidia-cutlass-dsl",
             "flash_attn.cute": "flash-attn-4",
+            "tvm_ffi": "apache-tvm-ffi",  # geglu_gemm.py: the compiled GEMM is called through TVM-FFI
             "quack.rmsnorm": "quack-kernels"}  # norms.py: LayerNorm forward and backward
 
 
