@@ -83,7 +83,7 @@ def test_add_layer_norm_refuses_an_x_bias_on_any_device():
 def test_the_backend_registers_the_norms_and_requires_quack(monkeypatch):
     """cute/backend.py with stand-in packages (this machine may have none): quack is required, and
     layer_norm / add_layer_norm are registered with their covers rules."""
-    for name in ("cutlass", "cutlass.cute", "flash_attn", "flash_attn.cute", "quack", "quack.rmsnorm"):
+    for name in ("cutlass", "cutlass.cute", "flash_attn", "flash_attn.cute", "tvm_ffi", "quack", "quack.rmsnorm"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.delitem(sys.modules, "packedenc.kernels.cute.backend", raising=False)
     monkeypatch.setattr(kernels, "_IMPLS", {**kernels._IMPLS, "cute": {}})
