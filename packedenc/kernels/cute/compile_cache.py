@@ -11,8 +11,9 @@ callable with the same arguments, without tracing or compiling anything.
 Entries live under a fingerprint of everything that changes the binary: the kernel's source files,
 the cutlass-dsl and Python versions, the target GPU architecture. One file per compile key (dtype,
 sizes, tile), named by the key's hash. Kernels are compiled with TVM-FFI's calling convention
-(`--enable-tvm-ffi`): the loaded function takes torch tensors and launches on torch's current stream. A new kernel source or a cutlass upgrade gets a new folder;
-old folders are left as they are (delete the cache folder to reclaim them).
+(`--enable-tvm-ffi`): the loaded function takes torch tensors and launches on torch's current
+stream. A new kernel source or a cutlass upgrade gets a new folder; old folders are left as they
+are (delete the cache folder to reclaim them).
 
 Writes never destroy: an entry is exported under a temporary name in the same folder and renamed
 into place, so a crash leaves no entry or a whole one, and two writers (processes or threads)

@@ -116,13 +116,11 @@ class GegluGemm:
     @cute.jit
     def __call__(self, mX_TD: cute.Tensor, mW: cute.Tensor, mO_TF: cute.Tensor, max_ctas: cutlass.Int32,
                  stream: cuda.CUstream):
-        """x (T, D), weight (2F, D), out (T, F); T is dynamic. Compiled with TVM-FFI's calling
-        convention, so the compiled function takes torch tensors (~15 us a call on the H200 host, where
-        building CuteDSL pointer objects and a stream object per call cost ~40 us more)."""
-        self._launch(mX_TD.iterator, mW.iterator, mO_TF.iterator, mX_TD.shape[0], max_ctas, stream)
-
-    def _launch(self, x_ptr, w_ptr, out_ptr, T, max_ctas, stream):
-        """The traced host side: layouts, TMA descriptors, grid, launch."""
+        """x (T, D), weight (2F, D), out (T, F); T is dynamic. The traced host side: layouts, TMA
+        descriptors, grid, launch. Compiled with TVM-FFI's calling convention, so the compiled function
+        takes torch tensors: no CuteDSL pointer or stream objects built per call, which cost more host
+        time than the call itself (benchmarks/results/history/cute_host_probe_h200_4eb58ae.json)."""
+        x_ptr, w_ptr, out_ptr, T = mX_TD.iterator, mW.iterator, mO_TF.iterator, mX_TD.shape[0]
         self._setup()
         D, F = self.D, self.F
         # (T, D, 1), (F, D, 2) and (T, F, 1), K / F contiguous; the last mode is the batch mode.

@@ -115,8 +115,8 @@ def _geglu():
 def covered_linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
     """The op table's entry: takes only the calls `covers_linear_glu` took (the table asks first), so
     it checks nothing again. Eager calls on plain CUDA tensors launch the kernel directly: the custom
-    op's dispatch costs ~40 us of host a call, more than the kernel's own launch (~15 us); a trace,
-    a dispatch mode or functorch keeps the custom op (see `triton/_common.eager_cuda`)."""
+    op's dispatch costs more host time than the kernel's own launch (benchmarks/NOTES.md, the
+    TVM-FFI row); a trace, a dispatch mode or functorch keeps the custom op (`triton/_common.eager_cuda`)."""
     if eager_cuda(x_TD):
         return _geglu()(x_TD, weight)
     return torch.ops.packedenc.cute_linear_glu(x_TD, weight, act)
