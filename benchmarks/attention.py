@@ -8,7 +8,8 @@ bf16, ModernBERT-base attention (H=12, K=64), issue 20's workloads: `query-64k` 
 tokens, `long` (8 sequences, median 4096, sigma 0.4, clip [1024, 8192]), `doc-b8` (8 `doc`
 sequences: a training batch of the train family's `doc-b8`, a few thousand tokens, where a long
 sequence's blocks are the critical path rather than the pack's size); each also with the (64, 64)
-window (`-window`). Lengths are seeded log-normal draws, as benchmarks/common.py's workloads.
+window (`-window`), and `mid-64k` (median 160, clip [32, 1024]: a big pack of mid-length sequences,
+between query and doc, where the cute backend's FA4 threshold is placed). Lengths are seeded log-normal draws, as benchmarks/common.py's workloads.
 
 1. Check: on a sub-pack of each workload (its first sequences, <= 8192 tokens, so the dense fp32
    reference fits), the kernels' output and dq, dk, dv against the fp32 reference, with the 2x rule
@@ -58,7 +59,8 @@ BUDGET = 65536
 WINDOW = (64, 64)
 # name: (count or None for a 64k pack, median, sigma, lo, hi)
 WORKLOADS = {"query-64k": (None, 24, 0.5, 4, 128), "doc-64k": (None, 350, 0.7, 32, 2048),
-             "long": (8, 4096, 0.4, 1024, 8192), "doc-b8": (8, 350, 0.7, 32, 2048)}
+             "long": (8, 4096, 0.4, 1024, 8192), "doc-b8": (8, 350, 0.7, 32, 2048),
+             "mid-64k": (None, 160, 0.7, 32, 1024)}
 TARGETS = {"query-64k": 1.0, "doc-64k": 1.7, "doc-64k-window": 1.0, "long": 3.2}  # fwd+bwd ms, issue 20
 FWD_SWEEP = ((64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2),
              (32, 32, 2, 2), (32, 32, 4, 2), (32, 16, 2, 2))

@@ -22,8 +22,9 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
    queued-call `*_stream_ms`, errors; the forwards again at 4,096 rows (`-4k`).
 4. model: ModernBERT-base (random weights) `encode` on the first batches of `long`, `doc-64k` and
    `query` (`modernbert-long`, `modernbert-doc-64k`, `modernbert-query`: the last host-bound, where
-   a choice of `auto` can lose by its launches): backend "triton" vs "cute" vs "auto"; `tokens_per_s`,
-   and the minimum per-token cosine of cute's output against triton's.
+   a choice of `auto` can lose by its launches): backend "triton" vs "cute" vs "auto", and "auto"
+   replayed from CUDA graphs (`packedenc+graphs`, budget: the workload's largest batch, every bucket
+   captured before timing); `tokens_per_s`, and the minimum per-token cosine against triton's output.
 
 Records: `geglu-64k` and `geglu-4k` in `results/ops_<gpu>.json` (beside the `ops` family's rows), the rest in
 `results/cute_<gpu>.json`; every record has system, workload, status, gpu, commit, command.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import time
 import traceback
@@ -201,26 +203,36 @@ def part_model(run: Run, batches: int = 3) -> list[dict[str, Any]]:
         inputs = [(b.ids.to("cuda"), b.cu_seqlens.to("cuda"), b.max_seqlen) for b in packs]
         fields = dict(workload=f"modernbert-{name}", model="modernbert-base", batches=len(inputs),
                       tokens=sum(int(i[0].numel()) for i in inputs))
-        outs = {}
-        for backend in ("triton", "cute", "auto"):  # auto: what the op table picks from the records
-            system = "packedenc" if backend == "auto" else f"packedenc[{backend}]"
+        outs: dict[str, torch.Tensor] = {}
+        # auto: what the op table picks from the records; graphs: auto replayed from CUDA graphs
+        for system in ("packedenc[triton]", "packedenc[cute]", "packedenc", "packedenc+graphs"):
+            backend = {"packedenc[triton]": "triton", "packedenc[cute]": "cute"}.get(system, "auto")
             if backend == "cute" and err is not None:
                 records.append(run.record(system, status="absent", error=err, **fields))
                 continue
+            graphs = None
             try:
                 with torch.no_grad():
-                    outs[backend] = pe.encode(params, *inputs[0], backend=backend)
-                    ms = sum(A.median_ms(lambda i=i: pe.encode(params, *i, backend=backend), reps=5, warmup=2)
-                             for i in inputs)
+                    fn = functools.partial(pe.encode, params, backend=backend)
+                    if system.endswith("+graphs"):  # the budget: this workload's largest batch
+                        graphs = fn = pe.graphed(params, max_tokens=max(int(i[0].numel()) for i in inputs),
+                                                 max_seqs=max(int(i[1].numel()) - 1 for i in inputs))
+                        for i in inputs:  # capture every bucket before timing
+                            fn(*i)
+                    outs[system] = fn(*inputs[0])
+                    ms = sum(A.median_ms(lambda i=i: fn(*i), reps=5, warmup=2) for i in inputs)
                 extra = {}
                 if backend != "triton":
-                    cos = F.cosine_similarity(outs[backend].float(), outs["triton"].float(), dim=-1)
+                    cos = F.cosine_similarity(outs[system].float(), outs["packedenc[triton]"].float(), dim=-1)
                     extra = dict(min_cos_vs_triton=cos.min().item(),
                                  ops=",".join(f"{o}={b}" for o, b in pe.get_ops(backend, "cuda").chosen))
                 rec = run.record(system, tokens_per_s=fields["tokens"] / ms * 1e3, ms=ms, **fields, **extra)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rec = run.record(system, status="failed", error=f"{type(e).__name__}: {e}"[:300], **fields)
+            finally:
+                if graphs is not None:
+                    graphs.clear()
             records.append(rec)
             print(line(rec), flush=True)
     return records

@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_session.sh host-profile  # cProfile of the eager calls issue 19 finds host-bound
 #   bash benchmarks/gpu_session.sh attention-profile  # torch.profiler of one attention forward + backward (its host time)
 #   bash benchmarks/gpu_session.sh kernel-profile  # ModernBERT-base forward's device time by kernel, triton vs auto (long, doc-64k)
-#   bash benchmarks/gpu_session.sh cute-probes  # the CuteDSL GeGLU call's host cost (loop, no_grad vs inference_mode), with the stack
+#   bash benchmarks/gpu_session.sh cute-probes  # the CuteDSL GeGLU call's host cost (loop, no_grad vs inference_mode), with the stack;
+#                                               #   benchmarks.residual_probe (the residual add in the GEMM vs in the norm)
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
@@ -69,7 +70,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=150 [host-profile]=200 [cute-bench]=200 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -169,12 +170,13 @@ case "$stage" in
     cute-probes)  # where the CuteDSL GeGLU call's host time goes (it lost in the query model: NOTES)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
         timeout 70 python3 -m benchmarks.cute_host_probe --out "$out/cute_host_probe.json" 2>&1 | grep -v Warn | tail -20
-        timeout 70 python3 -m benchmarks.cute_mode_probe 2>&1 | grep -v Warn | tail -10 ;;
+        timeout 70 python3 -m benchmarks.cute_mode_probe 2>&1 | grep -v Warn | tail -10
+        timeout 60 python3 -m benchmarks.residual_probe 2>&1 | tee "$out/residual_probe.txt" | tail -6 ;;
     kernel-profile)  # device time by kernel of ModernBERT-base forwards (with the stack when unpacked: auto's FA4, GeGLU GEMM)
         timeout 140 python3 -m benchmarks.kernel_profile --backends triton auto --out "$out/kernel_profile.txt" 2>&1 | tail -80 ;;
     cute-bench)  # the cute family alone (its GPU tests are in `tests`, run with the stack unpacked)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
-        bench 200 cute ;;
+        bench 320 cute ;;
     train-deberta)
         bench 560 train --models deberta-v3-base ;;
     small)
