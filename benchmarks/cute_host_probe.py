@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         guarded("geglu_gemm.geglu", lambda: host_us(lambda: G.geglu(x, w)))
         fn = G.compiled(torch.bfloat16, D, FM)
         out = torch.empty(64, FM, device="cuda", dtype=torch.bfloat16)
-        guarded("compiled fn, out preallocated", lambda: host_us(lambda: fn(x, w, out)))
+        ctas = torch.cuda.get_device_properties(x.device).multi_processor_count
+        guarded("compiled fn, out preallocated", lambda: host_us(lambda: fn(x, w, out, ctas)))
         guarded("torch.empty (T, F)", lambda: host_us(lambda: torch.empty(64, FM, device="cuda", dtype=torch.bfloat16)))
         x64 = xs[65536]
         guarded("geglu-64k geglu_gemm.geglu one call", lambda: time_ms(lambda: G.geglu(x64, w)), "ms")

@@ -82,6 +82,7 @@ class Ops:
     backend: str
     chosen: tuple[tuple[str, str], ...]  # (op, backend or "a>b" routing chain) for each op, for logs and `info`
     linear: Callable
+    linear_add: Callable  # residual + linear(x, W, b) in one GEMM (cuBLAS's beta = 1 epilogue)
     layer_norm: Callable
     add_layer_norm: Callable
     embed_layer_norm: Callable
@@ -137,7 +138,9 @@ def _rule(op: str, name: str) -> Callable[..., bool] | None:
     shape = auto.SHAPES[name[len(backend) + 1 : -1]] if name != backend else None
     if shape is None or covers is None:
         return shape or covers
-    return lambda *args, **kwargs: covers(*args, **kwargs) and shape(*args, **kwargs)
+    # the shape class first: a host-int comparison that turns most short, host-bound calls away
+    # before the backend's own checks (dtypes, device capability)
+    return lambda *args, **kwargs: shape(*args, **kwargs) and covers(*args, **kwargs)
 
 
 def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[str], bool] = lambda b: True) -> str:

@@ -253,24 +253,46 @@ def params_spec(cfg: ModernBertConfig, *, heads: tuple[str, ...] = ()) -> Modern
 # un-added, and the next norm adds it with `ops.add_layer_norm`, which rounds the sum to the
 # activation dtype before the statistics (exactly HF's `x = x + f(x)` then `norm(x)`) and returns
 # that rounded sum as the new residual. One fused kernel then replaces an add and a norm.
+#
+# Inference without dropout folds the add into the output projection instead (`ops.linear_add`:
+# cuBLAS adds the residual in the GEMM's epilogue) and the next norm is a plain LayerNorm: a GEMM
+# that reads the residual once more, and a norm that moves half the bytes
+# (benchmarks/results/history/residual_probe_h200_e7fd728.txt). The sum then rounds once where HF
+# rounds the projection, then the sum. Training keeps the carry: there the residual would feed both
+# the GEMM and the norm, and autograd would add their gradients in a separate kernel, where
+# add_layer_norm's backward sums them in its own.
+
+
+def _norm(norm: Norm, delta_TD: Tensor | None, residual_TD: Tensor, eps: float, ops: Ops) -> tuple[Tensor, Tensor]:
+    """(normalised rows, residual stream) with the pending delta (if any) added first."""
+    if delta_TD is None:
+        return ops.layer_norm(residual_TD, norm.weight, norm.bias, eps), residual_TD
+    return ops.add_layer_norm(delta_TD, residual_TD, norm.weight, norm.bias, eps, overwrite_input=True)
+
+
+def _project(x_TX: Tensor, lin: Linear, residual_TD: Tensor, fold: bool, ops: Ops) -> tuple[Tensor | None, Tensor]:
+    """A block's output projection as (delta, residual): added now when `fold`, else left pending."""
+    if fold:
+        return None, ops.linear_add(x_TX, lin.weight, lin.bias, residual_TD)
+    return ops.linear(x_TX, lin.weight, lin.bias), residual_TD
 
 
 def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int,
           positions_T: Tensor, i: int, cfg: ModernBertConfig, ops: Ops,
-          seed: int | None = None) -> tuple[Tensor, Tensor]:
-    """One pre-norm ModernBERT layer. Returns (mlp output not yet added, residual before it).
+          seed: int | None = None) -> tuple[Tensor | None, Tensor]:
+    """One pre-norm ModernBERT layer. Returns (mlp output not yet added or None, residual stream).
     Consumes delta_TD and residual_TD: eager inference writes the norms' outputs into them."""
     T, H, K = residual_TD.shape[0], cfg.num_attention_heads, cfg.head_dim
     eps = cfg.norm_eps
     is_global = cfg.is_global_layer(i)
     window = (-1, -1) if is_global else (cfg.local_attention // 2,) * 2  # local: |q-k| <= 64
     theta = cfg.global_rope_theta if is_global else cfg.local_rope_theta
+    fold = seed is None and not torch.is_grad_enabled()  # inference: see above
 
     if p.attn_norm is None:  # layer 0: the embedding norm already normalised (HF: nn.Identity)
         h_TD = residual_TD
     else:
-        h_TD, residual_TD = ops.add_layer_norm(delta_TD, residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps,
-                                               overwrite_input=True)
+        h_TD, residual_TD = _norm(p.attn_norm, delta_TD, residual_TD, eps, ops)
     qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
     # RoPE (positions restart per sequence), then attention: one kernel where the table fuses
     # them, else rotary and varlen_attention. qkv is this layer's own temporary: kernels may
@@ -278,16 +300,16 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     attn_drop = attention_dropout(cfg.attention_dropout, "attention_dropout", ops, seed, i)
     o_THK = ops.rotary_attention(qkv_T3HK, positions_T, theta, cu_seqlens, max_seqlen, window=window,
                                  overwrite_input=True, **attn_drop)
-    a_TD = ops.linear(o_THK.reshape(T, H * K), p.attn.wo.weight, p.attn.wo.bias)
-    a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
+    a_TD, residual_TD = _project(o_THK.reshape(T, H * K), p.attn.wo, residual_TD, fold, ops)
+    if a_TD is not None:
+        a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 
     # a_TD and the old residual are dead after the add: the norm may write into them
-    h_TD, residual_TD = ops.add_layer_norm(a_TD, residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps,
-                                           overwrite_input=True)
+    h_TD, residual_TD = _norm(p.mlp_norm, a_TD, residual_TD, eps, ops)
     # Wi's (2F, D) rows are the input half then the gate half: act(h Wi_in^T) * (h Wi_gate^T)
     g_TF = ops.linear_glu(h_TD, p.mlp.wi.weight, p.mlp.wi.bias, cfg.hidden_activation)
     g_TF = dropout(g_TF, cfg.mlp_dropout, seed, i, 2)
-    return ops.linear(g_TF, p.mlp.wo.weight, p.mlp.wo.bias), residual_TD
+    return _project(g_TF, p.mlp.wo, residual_TD, fold, ops)
 
 
 def encode(
@@ -339,8 +361,7 @@ def encode(
             delta_TD, residual_TD = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
         else:
             delta_TD, residual_TD = layer(*args)
-    f = params.final_norm
-    return ops.add_layer_norm(delta_TD, residual_TD, f.weight, f.bias, cfg.norm_eps, overwrite_input=True)[0]
+    return _norm(params.final_norm, delta_TD, residual_TD, cfg.norm_eps, ops)[0]
 
 
 # ---- heads (pure functions of the same params) -------------------------------------------------

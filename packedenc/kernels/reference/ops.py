@@ -26,6 +26,7 @@ from packedenc.kernels.reference.deberta import (
 
 __all__ = [
     "linear",
+    "linear_add",
     "layer_norm",
     "add_layer_norm",
     "embed_layer_norm",
@@ -51,6 +52,19 @@ __all__ = [
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias with weight in HF's (out, in) layout. fp32 accumulate (cuBLAS / CPU)."""
     return F.linear(x, weight, bias)
+
+
+def linear_add(x_TX: Tensor, weight: Tensor, bias: Tensor | None, residual_TD: Tensor) -> Tensor:
+    """residual + x @ weight.T + bias as one GEMM (beta = 1: cuBLAS adds the residual in its
+    epilogue), rounded once: a block's output projection added to the residual stream.
+
+    Arguments: x_TX (T, X); weight (D, X) in HF's (out, in) layout; bias (D,) or None; residual_TD (T, D).
+    Return: (T, D), a new tensor.
+    """
+    if x_TX.dim() != 2 or residual_TD.shape != (x_TX.shape[0], weight.shape[0]):
+        raise InputError(f"linear_add: x {tuple(x_TX.shape)} @ weight.T {tuple(weight.shape[::-1])} does not "
+                         f"match the residual {tuple(residual_TD.shape)}")
+    return torch.addmm(residual_TD if bias is None else residual_TD + bias, x_TX, weight.t())
 
 
 def linear_cross_entropy(x_MD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, targets_M: Tensor) -> Tensor:
