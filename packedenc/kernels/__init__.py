@@ -131,16 +131,13 @@ def _backend_of(name: str) -> str:
     return name.split("[", 1)[0]  # "cute[long-global]" -> "cute"
 
 
-def _rule(op: str, name: str) -> Callable[..., bool] | None:
-    """The calls `name` takes: its backend's `covers` rule AND its shape class (auto.SHAPES); None: all."""
+def _rules(op: str, name: str) -> tuple[Callable[..., bool], ...]:
+    """The calls `name` takes: its shape class (auto.SHAPES) AND its backend's `covers` rule, in that
+    order (the shape class, a host-int comparison, turns most short, host-bound calls away before
+    the backend's own checks); () when it takes every call."""
     backend = _backend_of(name)
-    covers = _COVERS.get((backend, op))
     shape = auto.SHAPES[name[len(backend) + 1 : -1]] if name != backend else None
-    if shape is None or covers is None:
-        return shape or covers
-    # the shape class first: a host-int comparison that turns most short, host-bound calls away
-    # before the backend's own checks (dtypes, device capability)
-    return lambda *args, **kwargs: shape(*args, **kwargs) and covers(*args, **kwargs)
+    return tuple(r for r in (shape, _COVERS.get((backend, op))) if r is not None)
 
 
 def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[str], bool] = lambda b: True) -> str:
@@ -159,7 +156,7 @@ def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[st
         if b in map(_backend_of, picked) or (b != "reference" and not usable(b)) or op not in _IMPLS.get(b, {}):
             continue
         picked.append(name)
-        if _rule(op, name) is None:
+        if not _rules(op, name):
             break
     return ">".join(picked)
 
@@ -168,9 +165,19 @@ def _parts_name(op: str) -> str:
     return "+".join(PARTS[op][0])  # "rotary+varlen_attention"
 
 
-def _route(first: Callable, covers: Callable[..., bool], rest: Callable) -> Callable:
-    def routed(*args, **kwargs):
-        return first(*args, **kwargs) if covers(*args, **kwargs) else rest(*args, **kwargs)
+def _route(first: Callable, rules: tuple[Callable[..., bool], ...], rest: Callable) -> Callable:
+    if len(rules) == 1:  # one closure level fewer: the eager host path of every routed op
+        (rule,) = rules
+
+        def routed(*args, **kwargs):
+            return first(*args, **kwargs) if rule(*args, **kwargs) else rest(*args, **kwargs)
+    else:
+        shape, covers = rules
+
+        def routed(*args, **kwargs):
+            if shape(*args, **kwargs) and covers(*args, **kwargs):
+                return first(*args, **kwargs)
+            return rest(*args, **kwargs)
 
     return routed
 
@@ -182,12 +189,12 @@ def _entry(op: str, name: str, parts: Callable | None = None) -> Callable:
         first, _, rest = name.partition(">")
         if not rest:
             return parts if first == _parts_name(op) else _IMPLS[first][op]
-        return _route(_IMPLS[_backend_of(first)][op], _rule(op, first), _entry(op, rest, parts))
+        return _route(_IMPLS[_backend_of(first)][op], _rules(op, first), _entry(op, rest, parts))
     if ">" not in name:
         return _IMPLS[name][op]
     if (op, name) not in _ROUTES:
         first, rest = name.split(">", 1)
-        _ROUTES[(op, name)] = _route(_IMPLS[_backend_of(first)][op], _rule(op, first), _entry(op, rest))
+        _ROUTES[(op, name)] = _route(_IMPLS[_backend_of(first)][op], _rules(op, first), _entry(op, rest))
     return _ROUTES[(op, name)]
 
 

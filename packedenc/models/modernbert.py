@@ -255,8 +255,9 @@ def params_spec(cfg: ModernBertConfig, *, heads: tuple[str, ...] = ()) -> Modern
 # that rounded sum as the new residual. One fused kernel then replaces an add and a norm.
 #
 # Inference without dropout folds the add into the output projection instead (`ops.linear_add`:
-# cuBLAS adds the residual in the GEMM's epilogue) and the next norm is a plain LayerNorm: a GEMM
-# that reads the residual once more, and a norm that moves half the bytes
+# cuBLAS adds the residual in the GEMM's epilogue, in place: the stream is this encode's own buffer
+# from the embedding norm on) and the next norm is a plain LayerNorm: a GEMM that reads the
+# residual once more, and a norm that moves half the bytes
 # (benchmarks/results/history/residual_probe_h200_e7fd728.txt). The sum then rounds once where HF
 # rounds the projection, then the sum. Training keeps the carry: there the residual would feed both
 # the GEMM and the norm, and autograd would add their gradients in a separate kernel, where
@@ -273,7 +274,7 @@ def _norm(norm: Norm, delta_TD: Tensor | None, residual_TD: Tensor, eps: float, 
 def _project(x_TX: Tensor, lin: Linear, residual_TD: Tensor, fold: bool, ops: Ops) -> tuple[Tensor | None, Tensor]:
     """A block's output projection as (delta, residual): added now when `fold`, else left pending."""
     if fold:
-        return None, ops.linear_add(x_TX, lin.weight, lin.bias, residual_TD)
+        return None, ops.linear_add(x_TX, lin.weight, lin.bias, residual_TD, overwrite_input=True)
     return ops.linear(x_TX, lin.weight, lin.bias), residual_TD
 
 

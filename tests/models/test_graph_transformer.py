@@ -147,7 +147,7 @@ def _registered_ops_table():
     from packedenc import kernels
     from packedenc.kernels.triton import activation as A, attention_op as AT, glu as G, layer_norm as L
 
-    graph = kernels._route(AT.graph_attention, lambda q, k, *a, **kw: k is None, reference.graph_attention)
+    graph = kernels._route(AT.graph_attention, (lambda q, k, *a, **kw: k is None,), reference.graph_attention)
     return dataclasses.replace(pe.get_ops("reference"), activation=A.activation, glu=G.glu,
                                add_layer_norm=L.add_layer_norm, layer_norm=L.layer_norm, graph_attention=graph)
 

@@ -54,17 +54,25 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def linear_add(x_TX: Tensor, weight: Tensor, bias: Tensor | None, residual_TD: Tensor) -> Tensor:
+def linear_add(x_TX: Tensor, weight: Tensor, bias: Tensor | None, residual_TD: Tensor,
+               overwrite_input: bool = False) -> Tensor:
     """residual + x @ weight.T + bias as one GEMM (beta = 1: cuBLAS adds the residual in its
     epilogue), rounded once: a block's output projection added to the residual stream.
 
-    Arguments: x_TX (T, X); weight (D, X) in HF's (out, in) layout; bias (D,) or None; residual_TD (T, D).
-    Return: (T, D), a new tensor.
+    Arguments: x_TX (T, X); weight (D, X) in HF's (out, in) layout; bias (D,) or None; residual_TD
+        (T, D). overwrite_input: the sum may be written into residual_TD (the caller gives it up). An
+        out-of-place addmm copies the residual into its output first (a full extra pass over T x D),
+        so eager inference, which owns its residual stream, passes True.
+    Return: (T, D), residual_TD itself when overwritten.
     """
     if x_TX.dim() != 2 or residual_TD.shape != (x_TX.shape[0], weight.shape[0]):
         raise InputError(f"linear_add: x {tuple(x_TX.shape)} @ weight.T {tuple(weight.shape[::-1])} does not "
                          f"match the residual {tuple(residual_TD.shape)}")
-    return torch.addmm(residual_TD if bias is None else residual_TD + bias, x_TX, weight.t())
+    if not overwrite_input or residual_TD.requires_grad and torch.is_grad_enabled():
+        return torch.addmm(residual_TD if bias is None else residual_TD + bias, x_TX, weight.t())
+    if bias is not None:
+        residual_TD.add_(bias)
+    return residual_TD.addmm_(x_TX, weight.t())
 
 
 def linear_cross_entropy(x_MD: Tensor, weight_VD: Tensor, bias_V: Tensor | None, targets_M: Tensor) -> Tensor:
