@@ -104,7 +104,7 @@ def test_gpu_auto_picks_triton_and_logs_once(caplog):
         assert chosen[op] == "triton", chosen
     # with the cute extra, its measured rows come first and hand the rest to triton
     cute = kernels._load_backend("cute")
-    assert chosen["linear_glu"] == ("cute>triton" if cute else "triton")
+    assert chosen["linear_glu"] == ("cute[large-pack]>triton" if cute else "triton")
     assert chosen["add_layer_norm"] == "triton"  # quack's is listed, not chosen (auto.py says why)
     assert chosen["varlen_attention"] == ("cute[long-global]>triton" if cute else "triton")
     assert sum("backend=auto" in r.getMessage() for r in caplog.records) == 1
