@@ -132,12 +132,13 @@ def _backend_of(name: str) -> str:
 
 
 def _rules(op: str, name: str) -> tuple[Callable[..., bool], ...]:
-    """The calls `name` takes: its backend's `covers` rule AND its shape class (auto.SHAPES), in that
-    order (a shape class may rely on what `covers` turned away: `uncaptured` is never asked inside a
-    torch.compile trace, where the Triton entry's rule declines); () when it takes every call."""
+    """The calls `name` takes: its shape class (auto.SHAPES) AND its backend's `covers` rule, in that
+    order: the shape class, a host-int comparison, turns most short, host-bound calls away before
+    the backend's own dozen checks (dtypes, devices, capability). So a shape class takes any of the
+    op's arguments, inside a torch.compile trace too; () when the row takes every call."""
     backend = _backend_of(name)
     shape = auto.SHAPES[name[len(backend) + 1 : -1]] if name != backend else None
-    return tuple(r for r in (_COVERS.get((backend, op)), shape) if r is not None)
+    return tuple(r for r in (shape, _COVERS.get((backend, op))) if r is not None)
 
 
 def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[str], bool] = lambda b: True) -> str:
@@ -172,10 +173,10 @@ def _route(first: Callable, rules: tuple[Callable[..., bool], ...], rest: Callab
         def routed(*args, **kwargs):
             return first(*args, **kwargs) if rule(*args, **kwargs) else rest(*args, **kwargs)
     else:
-        covers, shape = rules
+        shape, covers = rules
 
         def routed(*args, **kwargs):
-            if covers(*args, **kwargs) and shape(*args, **kwargs):
+            if shape(*args, **kwargs) and covers(*args, **kwargs):
                 return first(*args, **kwargs)
             return rest(*args, **kwargs)
 

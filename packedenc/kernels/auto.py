@@ -101,7 +101,11 @@ def inference(*args: object, **kwargs: object) -> bool:
 
 
 def uncaptured(*args: object, **kwargs: object) -> bool:
-    """A call outside CUDA-graph capture: its host time is paid on every batch, not once at capture."""
+    """A call outside CUDA-graph capture: its host time is paid on every batch, not once at capture.
+    Inside a torch.compile trace: False (the compiled code's launches are not this eager call's;
+    the capture query itself cannot be traced)."""
+    if torch.compiler.is_compiling():
+        return False
     t = next((a for a in args if isinstance(a, Tensor)), None)
     return t is None or not t.is_cuda or not torch.cuda.is_current_stream_capturing()
 
