@@ -190,7 +190,10 @@ def part_norms(run: Run) -> list[dict[str, Any]]:
 # ---- 4. model ------------------------------------------------------------------------------------------
 
 
-def part_model(run: Run, batches: int = 3, passes: int = 2) -> list[dict[str, Any]]:
+MODEL_WORKLOADS = ("long", "doc-64k", "query")  # query: eager short batches, where the host decides
+
+
+def part_model(run: Run, batches: int = 3, passes: int = 2, names: tuple[str, ...] = MODEL_WORKLOADS) -> list[dict[str, Any]]:
     import packedenc as pe
     from benchmarks.workloads import MODERNBERT_WORKLOADS, workload_named
     from packedenc.models.modernbert import ModernBertConfig, init
@@ -200,7 +203,7 @@ def part_model(run: Run, batches: int = 3, passes: int = 2) -> list[dict[str, An
     records = []
     # auto: what the op table picks from the records; graphs: auto replayed from CUDA graphs
     systems = ("packedenc[triton]", "packedenc[cute]", "packedenc", "packedenc+graphs")
-    for name in ("long", "doc-64k", "query"):  # query: eager short batches, where the host decides
+    for name in names:
         wl = workload_named(name, MODERNBERT_WORKLOADS, params.config.vocab_size)
         packs = [wl.batch(i) for i in range(min(batches, len(wl.batches)))]
         inputs = [(b.ids.to("cuda"), b.cu_seqlens.to("cuda"), b.max_seqlen) for b in packs]
@@ -263,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=PARTS, help="default: every part")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--model-workloads", nargs="*", choices=MODEL_WORKLOADS, default=MODEL_WORKLOADS,
+                    help="the model part's workloads (default: all)")
+    ap.add_argument("--passes", type=int, default=2, help="the model part's passes (alternating order)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU (sm90+ for the cute backend)")
@@ -271,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Run.start("cute", device, argv or [])
     print(f"cute backend: {cute_error() or 'loads'}", flush=True)
     t0, records = time.perf_counter(), []
-    parts = {"attention": part_attention, "geglu": part_geglu, "norms": part_norms, "model": part_model}
+    parts = {"attention": part_attention, "geglu": part_geglu, "norms": part_norms,
+             "model": functools.partial(part_model, names=tuple(a.model_workloads), passes=a.passes)}
     for name in a.only or PARTS:
         print(f"\n## {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
         records += parts[name](run)
