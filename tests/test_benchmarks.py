@@ -2,6 +2,7 @@
 modernbert, train and embed families and writes complete records; `report` draws the README
 tables from a fixture of records, one commit at a time; workloads, merging and targets behave."""
 
+import importlib
 import json
 
 import pytest
@@ -340,9 +341,25 @@ def test_issue_21_targets_read_the_cute_and_ops_records():
     cute = [rec("packedenc", "modernbert-long", tokens_per_s=1.2e6),
             rec("packedenc[triton]", "modernbert-long", tokens_per_s=1.1e6),
             rec("packedenc", "modernbert-query", tokens_per_s=7.9e5),
-            rec("packedenc[triton]", "modernbert-query", tokens_per_s=8.0e5)]
+            rec("packedenc[auto,no-cute]", "modernbert-query", tokens_per_s=8.0e5)]
     lines = targets.report("cute", cute)
     assert lines[0].startswith("MISSED modernbert-long") and "1.09x" in lines[0]  # 1.2 / 1.1 < 1.15
     assert lines[1].startswith("MISSED modernbert-query")  # auto slower than what it replaced
     ops = targets.report("ops", [rec("packedenc[cute]", "geglu-64k", ms=0.44)])
     assert ops == ["ok     geglu-64k ms: packedenc[cute] <= 0.45 (issue 21): 0.44 (packedenc[cute])"]
+
+
+def test_the_cute_familys_rival_for_auto_is_auto_without_the_extra(monkeypatch):
+    """`packedenc[auto,no-cute]`: the table auto builds where the extra does not load (the rows
+    below the cute ones, routed entries included), here with a stand-in cute backend registered."""
+    from benchmarks import cute as bench_cute
+    from packedenc import kernels
+
+    importlib.import_module("packedenc.kernels.triton")
+    monkeypatch.setitem(kernels._IMPLS, "cute", {"linear_glu": lambda *a, **k: None})
+    monkeypatch.setitem(kernels._COVERS, ("cute", "linear_glu"), lambda *a, **k: True)
+    monkeypatch.setattr(kernels, "_usable_on_cuda", {"reference", "triton", "flash", "cute"}.__contains__)
+    chosen = dict(bench_cute._auto_without_cute().chosen)
+    assert chosen["linear_glu"] == "triton" and not any("cute" in b for b in chosen.values())
+    assert chosen["rotary_attention"] == "triton[uncaptured]>rotary+varlen_attention"  # auto's own route
+    assert kernels.choose("linear_glu", "auto", "cuda") == "cute[large-pack]>triton"  # the extra's row
