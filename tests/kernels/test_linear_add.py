@@ -25,6 +25,8 @@ def test_linear_add_rejects_mismatched_shapes():
         ops.linear_add(x, w, None, torch.randn(7, 4))
     with pytest.raises(InputError, match="does not match the residual"):
         ops.linear_add(x.view(7, 5, 1).expand(7, 5, 2), w, None, torch.randn(7, 3))
+    with pytest.raises(InputError, match="must share a dtype"):
+        ops.linear_add(x, w, None, torch.randn(7, 3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -68,6 +68,9 @@ def linear_add(x_TX: Tensor, weight: Tensor, bias: Tensor | None, residual_TD: T
     if x_TX.dim() != 2 or residual_TD.shape != (x_TX.shape[0], weight.shape[0]):
         raise InputError(f"linear_add: x {tuple(x_TX.shape)} @ weight.T {tuple(weight.shape[::-1])} does not "
                          f"match the residual {tuple(residual_TD.shape)}")
+    if not x_TX.dtype == weight.dtype == residual_TD.dtype:  # (devices: torch's own error names them)
+        raise InputError(f"linear_add: x, weight and residual must share a dtype, got "
+                         f"{x_TX.dtype} / {weight.dtype} / {residual_TD.dtype}")
     if not overwrite_input or residual_TD.requires_grad and torch.is_grad_enabled():
         return torch.addmm(residual_TD if bias is None else residual_TD + bias, x_TX, weight.t())
     if bias is not None:
