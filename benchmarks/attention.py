@@ -68,8 +68,10 @@ BWD_SWEEP = ((64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2), (128, 32, 8, 3), (1
              (64, 64, 4, 3), (32, 64, 4, 2), (32, 32, 2, 2), (32, 32, 4, 2), (32, 16, 2, 2), (64, 16, 4, 2))
 
 
-def lengths(name: str, seed: int = 0) -> list[int]:
-    count, median, sigma, lo, hi = WORKLOADS[name]
+def lengths(name: str, seed: int = 0, spec: tuple | None = None) -> list[int]:
+    """The seeded lengths of workload `name` (`spec`: its (count, median, sigma, lo, hi) when it is
+    not one of WORKLOADS; the name still seeds the draw)."""
+    count, median, sigma, lo, hi = spec or WORKLOADS[name]
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     n = count or BUDGET // lo + 1
     z = torch.randn(n, generator=g, dtype=torch.float64)

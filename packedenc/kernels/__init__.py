@@ -25,8 +25,9 @@ A forced backend comes first and the rest follows the auto order: `backend="flas
 `varlen_attention=flash>triton` (flash kernels take CUDA fp16 / bf16 with head dims that are
 multiples of 8, `flash.covers_varlen`), `backend="cute"` `varlen_attention=cute>triton` (FA4 takes
 fp16 / bf16 head dims 64 and 128 on sm90+, `cute/attention.covers_fa4`). An auto row with a shape
-class is named with it, "cute[long-global]>triton": it takes the calls its backend covers AND its
-shape rule accepts.
+class is named with it, "cute[long-global]>cute[large-global]>triton": each takes the calls its
+backend covers AND its shape rule accepts (two rows of one backend: two shape classes, each with
+its own measurement).
 
 Composite ops are two ops in a row that a kernel may fuse: `rotary_attention` is
 `varlen_attention(*rotary(qkv, ...))`. Their chain ends with the parts instead of the reference,
@@ -154,7 +155,8 @@ def chain(op: str, candidates: tuple[str, ...] | list[str], usable: Callable[[st
         if name == last:
             picked.append(name)
             break
-        if b in map(_backend_of, picked) or (b != "reference" and not usable(b)) or op not in _IMPLS.get(b, {}):
+        # a backend once, unless as rows of different shape classes ("cute[long-global]>cute[large-global]")
+        if name in picked or b in picked or (b != "reference" and not usable(b)) or op not in _IMPLS.get(b, {}):
             continue
         picked.append(name)
         if not _rules(op, name):

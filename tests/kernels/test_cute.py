@@ -156,14 +156,28 @@ def test_every_chosen_auto_row_cites_a_committed_record_that_shows_the_win():
 def test_cute_rows_are_chosen_only_with_a_record_and_fa4_only_for_long_global_layers():
     cute_rows = {op: [r for r in rows if r.backend == "cute"] for op, rows in auto.AUTO_CUDA.items()}
     assert all(r.chosen == (r.evidence is not None) for rows in cute_rows.values() for r in rows)
-    (fa4,) = cute_rows["varlen_attention"]
-    assert fa4.chosen and fa4.shape == "long-global"
+    fa4_long, fa4_large = cute_rows["varlen_attention"]
+    assert fa4_long.chosen and fa4_long.shape == "long-global"
+    assert fa4_large.chosen and fa4_large.shape == "large-global"
     # the record also shows FA4 losing where the shape class keeps it out: short and windowed
     recs = {(r["system"], r["workload"]): r for r in _records("cute_h200.json")}
     for wl in ("query-64k", "mid-64k", "doc-64k-window", "long-window"):
         assert recs[("packedenc[cute]", wl)]["fwd_ms"] > recs[("packedenc[triton]", wl)]["fwd_ms"], wl
-    for wl in ("query-64k", "mid-64k"):  # the packs FA4 loses stay under the threshold
-        assert max(bench_attention.lengths(wl)) < auto.LONG_SEQLEN <= max(bench_attention.lengths("doc-64k"))
+    for wl in ("query-64k", "mid-64k"):  # the packs FA4 loses stay under both thresholds
+        lens = bench_attention.lengths(wl)
+        assert max(lens) < auto.LONG_SEQLEN <= max(bench_attention.lengths("doc-64k"))
+        assert sum(lens) < auto.MEAN_SEQLEN * len(lens) and sum(lens) >= auto.LARGE_PACK
+    # the mean-length row: every crossover pack at or above MEAN_SEQLEN is cited (FA4 wins it on the
+    # device), every one below it shows FA4 losing there
+    from benchmarks.cute import CROSSOVER
+    cited = set(fa4_large.evidence.workloads)
+    for wl, spec in CROSSOVER.items():
+        lens = bench_attention.lengths(wl, spec=spec)
+        mine, theirs = recs[("packedenc[cute]", wl)], recs[("packedenc[triton]", wl)]
+        if sum(lens) >= auto.MEAN_SEQLEN * len(lens):
+            assert wl in cited, wl
+        else:
+            assert mine["fwd_device_ms"] > theirs["fwd_device_ms"], wl
 
 
 def test_the_inference_shape_class():
@@ -185,7 +199,7 @@ def fake_cute(monkeypatch):
 
 def test_the_table_for_cuda_with_and_without_cute(fake_cute):
     every = {"triton", "flash", "cute"}.__contains__
-    assert choose("varlen_attention", "auto", "cuda", every) == "cute[long-global]>triton"
+    assert choose("varlen_attention", "auto", "cuda", every) == "cute[long-global]>cute[large-global]>triton"
     assert choose("varlen_attention", "auto", "cuda", {"triton", "flash"}.__contains__) == "triton"
     assert choose("graph_attention", "auto", "cuda", every) == "triton>flash"
     assert choose("deberta_attention", "auto", "cuda", every) == "triton"
@@ -223,6 +237,34 @@ def test_a_measured_shaped_row_takes_its_shape_class_and_hands_on_the_rest(fake_
     with torch.no_grad():
         fn(g, g, g, cu, L)  # inputs that require grad, under no_grad: inference
     assert calls == ["fa", "tri", "tri", "tri", "fa", "fa"]
+
+
+def test_two_shaped_rows_of_one_backend_and_the_large_global_class(monkeypatch):
+    """FA4's two rows: long sequences at any size, or a large pack whose mean length reaches
+    MEAN_SEQLEN (host values: T and the cu_seqlens length); everything else goes on down the chain."""
+    calls = []
+    monkeypatch.setitem(kernels._IMPLS, "test-fa", {"varlen_attention": lambda *a, **k: calls.append("fa")})
+    monkeypatch.setitem(kernels._IMPLS, "test-tri", {"varlen_attention": lambda *a, **k: calls.append("tri")})
+    ev = auto.Evidence("cute_h200.json", "fwd_ms", "x", "y", ("long",))
+    monkeypatch.setitem(auto.AUTO_CUDA, "varlen_attention", (
+        auto.Row("test-fa", ev, "long-global"), auto.Row("test-fa", ev, "large-global"), auto.Row("test-tri", ev)))
+    name = choose("varlen_attention", "auto", "cuda", {"test-fa", "test-tri"}.__contains__)
+    assert name == "test-fa[long-global]>test-fa[large-global]>test-tri"
+    # forced, the backend comes once: its unshaped entry takes what it covers (everything here)
+    assert choose("varlen_attention", "test-fa", "cuda", {"test-fa", "test-tri"}.__contains__) == "test-fa"
+    fn = kernels._entry("varlen_attention", name)
+    T, M, L = auto.LARGE_PACK, auto.MEAN_SEQLEN, 100  # L: a longest under LONG_SEQLEN
+    q = torch.zeros(T, 1, 8)
+
+    def cu(S):  # only its length is read
+        return torch.zeros(S + 1, dtype=torch.int32)
+
+    fn(q, q, q, cu(T // M), L)  # mean >= M on a large pack: FA4
+    fn(q, q, q, cu(T // M + 1), L)  # mean < M
+    fn(q, q, q, cu(T // M), L, window=(64, 64))  # windowed
+    fn(q[:-1], q[:-1], q[:-1], cu(1), L)  # one long sequence, but under LARGE_PACK and LONG_SEQLEN
+    fn(q[:64], q[:64], q[:64], cu(1), auto.LONG_SEQLEN)  # a long sequence in a small pack: the first row
+    assert calls == ["fa", "tri", "tri", "tri", "fa"]
 
 
 def test_describe_ops_names_every_op_its_choice_and_why():

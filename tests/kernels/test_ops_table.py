@@ -106,7 +106,7 @@ def test_gpu_auto_picks_triton_and_logs_once(caplog):
     cute = kernels._load_backend("cute")
     assert chosen["linear_glu"] == ("cute[large-pack]>triton" if cute else "triton")
     assert chosen["add_layer_norm"] == "triton"  # quack's is listed, not chosen (auto.py says why)
-    assert chosen["varlen_attention"] == ("cute[long-global]>triton" if cute else "triton")
+    assert chosen["varlen_attention"] == ("cute[long-global]>cute[large-global]>triton" if cute else "triton")
     assert sum("backend=auto" in r.getMessage() for r in caplog.records) == 1
 
 
