@@ -113,7 +113,7 @@ class _Plan:
 
     def __init__(self, lt: _Lt, M: int, N: int, K: int, dtype: torch.dtype, bias: bool):
         lib, dt = lt.lib, _DTYPES[dtype]
-        self.desc = _V()
+        self.desc, self.bias_ptr = _V(), None
         lt.check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
         self._set(lt, _TRANSA, ctypes.c_int32(1))  # A = W read transposed
         self._set(lt, _TRANSB, ctypes.c_int32(0))
@@ -140,7 +140,6 @@ class _Plan:
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
         self.algo = ctypes.addressof(self.heuristic.algo)
-        self.bias_ptr = None
         self.args = (lt.handle.value, self.desc.value, *(lay.value for lay in self.layouts), self.algo)
 
     def _set(self, lt: _Lt, attr: int, value) -> None:
