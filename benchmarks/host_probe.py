@@ -12,7 +12,9 @@ round. Rows:
   the cost of `JITFunction.run` alone (binding, specialisation key, launch); `triton-compiled[n
   args]` the compiled kernel's own launcher, `packedenc-launch[n args]` `kernels.triton._common.launch`
   (what every packedenc kernel goes through);
-- `torch.*`: one plain torch op of the same kind (its dispatcher cost, the yardstick);
+- `torch.*`: one plain torch op of the same kind (its dispatcher cost, the yardstick), and the
+  CUDA-graph capture query `auto.uncaptured` asks (the one difference between the `auto` and
+  forced `triton` tables without the cute extra);
 - `ops.<op>[<backend>]`: each Ops-table entry of a ModernBERT layer as `encode` calls it, no grad;
   `...+grad`: the same with inputs that require grad (the eager autograd path; forward only);
 - `layer[<backend>]`: one whole encoder layer (`models.modernbert` internals), and `encode` one
@@ -141,7 +143,13 @@ def _op_rows(dev: torch.device, backend: str, dtype: torch.dtype, lengths: list[
 def _torch_rows(dev: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
     x, w = torch.randn(T, D, device=dev, dtype=dtype), torch.randn(D, device=dev, dtype=dtype)
     wqkv = torch.randn(3 * D, D, device=dev, dtype=dtype)
-    return {
+    rows = {}
+    if dev.type == "cuda":  # what auto's `uncaptured` shape class asks on every rotary_attention call
+        from packedenc.kernels import auto
+
+        rows = {"torch.cuda.is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+                "auto.uncaptured": lambda: auto.uncaptured(x, x)}
+    return rows | {
         "torch.empty": lambda: torch.empty(T, D, device=dev, dtype=dtype),
         "torch.add": lambda: x + x,
         "torch.layer_norm": lambda: F.layer_norm(x, (D,), w, None, EPS),
