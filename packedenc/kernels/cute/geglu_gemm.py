@@ -326,11 +326,9 @@ class GegluGemm:
                     producer.advance()
 
             rounds = (tile - cidx) // grid_clusters  # this CTA's tiles before this one: the store buffers' turn
-            if cutlass.const_expr(self.tile.fused):  # new names: the loop carries the accumulator as it is
-                epi_a, epi_g = self._halves(acc_a, tCgC)
-            else:
-                epi_a, epi_g = acc_a, acc_g
-            self.epilogue(epi_a, epi_g, sC, gC[(None, None, pid_m, pid_n)], tiled_mma, tma_atom_o, tidx, warp_idx,
+            if cutlass.const_expr(self.tile.fused):
+                acc_a, acc_g = self._halves(acc_a, tCgC)
+            self.epilogue(acc_a, acc_g, sC, gC[(None, None, pid_m, pid_n)], tiled_mma, tma_atom_o, tidx, warp_idx,
                           rounds)
 
         if warp_idx == 0:
