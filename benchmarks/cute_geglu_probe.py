@@ -31,7 +31,7 @@ T64K, D, FM = 65536, 768, 1152
 # The default (persistent, clusters of 2 M tiles sharing the weight slabs); the same with one CTA a
 # tile (`,0`: no cross-tile prefetch); no cluster; fewer stages; weight slabs multicast along N; narrow
 # N tiles (two CTAs an SM fit: 264); wide N (255 registers, a few spilled bytes); one warp group.
-TILES = ("128,128,4,2,1", "128,128,4,2,1,fused", "128,128,4,1,1,fused", "128,128,3,2,1,fused", "128,128,4,2,1,0", "128,128,4,1,1", "128,128,3,2,1", "128,128,4,1,2", "128,64,3,1,1,264",
+TILES = ("128,128,4,2,1", "128,128,4,2,1,0", "128,128,4,1,1", "128,128,3,2,1", "128,128,4,1,2", "128,64,3,1,1,264",
          "128,192,3,1,1", "64,128,4,1,1")
 
 
@@ -48,9 +48,8 @@ def _err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[float, fl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.cute_geglu_probe", description=__doc__.split("\n")[0])
     ap.add_argument("--tiles", nargs="+", default=list(TILES),
-                    help="m,n,stages,cluster_m,cluster_n[,max_ctas][,fused] each; max_ctas: the persistent grid "
-                         "(default one CTA an SM; 0: one CTA a tile, no cross-tile prefetch); fused: one WGMMA "
-                         "of N = 2n over both halves (Tile.fused)")
+                    help="m,n,stages,cluster_m,cluster_n[,max_ctas] each; max_ctas: the persistent grid (default "
+                         "one CTA an SM; 0: one CTA a tile, no cross-tile prefetch)")
     ap.add_argument("--out", type=Path, help="write the records here as JSON")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -78,14 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                          ("packedenc[triton]", lambda: tri(x, w, None, "gelu"))):
             records.append({**head, "system": name, "status": "ok", "ms": median_ms(fn, reps=20, warmup=5)})
         for spec in a.tiles:
-            fields = spec.split(",")
-            fused = "fused" in fields
-            vals = [int(v) for v in fields if v != "fused"]
+            vals = [int(v) for v in spec.split(",")]
             m, n, stages, cm, cn = vals[:5]
             ctas = None if len(vals) < 6 else (vals[5] or 1 << 30)
-            rec = {**head, "system": "packedenc[cute]", "tile": [m, n, stages, cm, cn], "fused": fused, "max_ctas": ctas}
+            rec = {**head, "system": "packedenc[cute]", "tile": [m, n, stages, cm, cn], "max_ctas": ctas}
             try:
-                tile = G.Tile(m, n, stages, (cm, cn), fused)
+                tile = G.Tile(m, n, stages, (cm, cn))
                 run = lambda tile=tile, ctas=ctas: G.geglu(x, w, tile, ctas)  # noqa: E731
                 e, base, ok = _err(run()[rows], x[rows], w)
                 e_r, base_r, ok_r = _err(G.geglu(x_ragged, w, tile, ctas), x_ragged, w)
@@ -105,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * T64K * D * 2 * FM
     for r in records:
         tile = ",".join(map(str, r.get("tile", []))) or "-"
-        tile += ",fused" if r.get("fused") else ""
         tile += "" if r.get("max_ctas") is None else f" x{r['max_ctas'] if r['max_ctas'] < 1 << 30 else 'all'}"
         ms = r.get("ms")
         cells = f"{ms:7.3f} {ms / gemm_ms:8.2f} {flops / ms / 1e9:8.0f}" if ms else f"{'-':>7s} {'-':>8s} {'-':>8s}"

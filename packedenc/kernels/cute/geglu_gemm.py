@@ -67,15 +67,10 @@ class Tile:
     n: int = 128  # per half: the CTA multiplies m x 2n; 2 x 64 x n fp32 registers per warp group
     stages: int = 4  # (m + 2n) x 64 x 2 B each; 4 x 48 KiB at 128 x 128
     cluster: tuple[int, int] = (1, 1)  # (2, 1): two M tiles share the weight slabs (TMA multicast)
-    # True: both halves' slabs side by side in one (2n, 64) shared-memory tile, one WGMMA of N = 2n
-    # per k block (x's fragment read once); False: two WGMMAs of N = n
-    fused: bool = False
 
     def __post_init__(self):
         if self.m not in (64, 128) or self.n not in (64, 128, 192) or self.stages < 2:
             raise ValueError(f"Tile: m in (64, 128), n in (64, 128, 192), stages >= 2; got {self}")
-        if self.fused and 2 * self.n > 256:
-            raise ValueError(f"Tile: a fused tile's WGMMA takes N = 2n <= 256, got n = {self.n}")
         if self.cluster not in ((1, 1), (2, 1), (1, 2), (2, 2)):
             raise ValueError(f"Tile: cluster must be (1|2, 1|2), got {self.cluster}")
         if smem_bytes(self) > SMEM_CAPACITY:
@@ -113,20 +108,8 @@ class GegluGemm:
             self.tile_shape_mnk, self.dtype, is_cooperative=self.mma_warp_groups == 2)
         self.a_smem_layout_staged = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, self.tile_shape_mnk, self.dtype, self.ab_stage)
-        # w: one half's (n, 64) slab, the TMA box; b: what the WGMMAs read, the same slab (separate
-        # buffers for the two halves), or, fused, both halves' slabs as one (2n, 64) K-major tile per
-        # stage, which is the memory of 2 x stages half slabs back to back (w, with 2 x stages)
-        self.w_smem_layout_staged = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, self.tile_shape_mnk, self.dtype, self.ab_stage * (2 if self.tile.fused else 1))
-        self.b_smem_layout_staged = self.w_smem_layout_staged
-        if self.tile.fused:
-            self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
-                LayoutEnum.ROW_MAJOR, (self.tile.m, 2 * self.tile.n, BK), self.dtype, self.ab_stage)
-            self.tiled_mma_ab = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, k_major, k_major, self.acc_dtype, self.atom_layout_mnk,
-                tiler_mn=(64, 2 * self.tile.n))
-        else:
-            self.tiled_mma_ab = self.tiled_mma
+        self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, self.tile_shape_mnk, self.dtype, self.ab_stage)
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stage)
 
@@ -146,7 +129,7 @@ class GegluGemm:
         mO = cute.make_tensor(out_ptr, cute.make_ordered_layout((T, F, 1), order=(1, 0, 2)))
 
         a_smem = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
-        b_smem = cute.slice_(self.w_smem_layout_staged, (None, None, 0))
+        b_smem = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
             self._g2s_op(self.num_mcast_ctas_a), mX, a_smem, (self.tile.m, BK), num_multicast=self.num_mcast_ctas_a)
         tma_atom_w, tma_w = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -163,20 +146,17 @@ class GegluGemm:
         grid_clusters = cutlass.max(cutlass.min(n_clusters, max_ctas // cluster_size), 1)
         grid = (grid_clusters * self.cluster_shape_mn[0], self.cluster_shape_mn[1], 1)
 
-        w_cosize = cute.cosize(self.w_smem_layout_staged)  # fused: both halves; else one (sG: the other)
-
         @cute.struct
         class SharedStorage:
             barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.a_smem_layout_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, w_cosize], 1024]
-            sG: cute.struct.Align[cute.struct.MemRange[self.dtype, 1 if self.tile.fused else w_cosize], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem_layout_staged)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.b_smem_layout_staged)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.epi_smem_layout_staged)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, tma_atom_o, tma_o, self.tiled_mma, self.tiled_mma_ab,
-                    self.cta_layout_mnk, self.a_smem_layout_staged, self.b_smem_layout_staged,
-                    self.w_smem_layout_staged, self.epi_smem_layout_staged).launch(
+        self.kernel(tma_atom_x, tma_x, tma_atom_w, tma_w, tma_atom_o, tma_o, self.tiled_mma, self.cta_layout_mnk,
+                    self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_shape_mn, 1), stream=stream)
 
     @staticmethod
@@ -187,9 +167,8 @@ class GegluGemm:
 
     @cute.kernel
     def kernel(self, tma_atom_x: cute.CopyAtom, mX_mkl: cute.Tensor, tma_atom_w: cute.CopyAtom, mW_nkl: cute.Tensor,
-               tma_atom_o: cute.CopyAtom, mO_mnl: cute.Tensor, tiled_mma: cute.TiledMma, tiled_mma_ab: cute.TiledMma,
-               cta_layout_mnk: cute.Layout, a_smem_layout_staged: cute.ComposedLayout,
-               b_smem_layout_staged: cute.ComposedLayout, w_smem_layout_staged: cute.ComposedLayout,
+               tma_atom_o: cute.CopyAtom, mO_mnl: cute.Tensor, tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
+               a_smem_layout_staged: cute.ComposedLayout, b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -212,7 +191,7 @@ class GegluGemm:
         a_mcast_mask = a_mcast_mask if self.is_a_mcast else 0
         b_mcast_mask = b_mcast_mask if self.is_b_mcast else 0
         a_smem = cute.slice_(a_smem_layout_staged, (None, None, 0))
-        b_smem = cute.slice_(w_smem_layout_staged, (None, None, 0))
+        b_smem = cute.slice_(b_smem_layout_staged, (None, None, 0))
         tx_bytes = cute.size_in_bytes(self.dtype, a_smem) + 2 * cute.size_in_bytes(self.dtype, b_smem)
 
         smem = utils.SmemAllocator()
@@ -228,13 +207,8 @@ class GegluGemm:
         pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
-        # the TMA loads' view (one half slab a stage, or, fused, half slab 2 x stage + half) and the
-        # WGMMAs' view (the input half's slabs, or, fused, both halves as one tile a stage)
-        sW = storage.sB.get_tensor(w_smem_layout_staged.outer, swizzle=w_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        sG = sW
-        if cutlass.const_expr(not self.tile.fused):
-            sG = storage.sG.get_tensor(w_smem_layout_staged.outer, swizzle=w_smem_layout_staged.inner)
+        sG = storage.sG.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         # The epilogue's own staging buffer: x's stages fill with the next tile meanwhile.
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
@@ -254,21 +228,15 @@ class GegluGemm:
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_x, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_w, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sW, 0, 2), cute.group_modes(gB, 0, 2))
+            tma_atom_w, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         tGsG, tGgG = cute.nvgpu.cpasync.tma_partition(
             tma_atom_w, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sG, 0, 2), cute.group_modes(gG, 0, 2))
 
-        thr_ab = tiled_mma_ab.get_slice(cute.make_layout(self.mma_warp_groups, stride=128)(wg_idx))
-        tCrA = tiled_mma_ab.make_fragment_A(thr_ab.partition_A(sA))
-        tCrB = tiled_mma_ab.make_fragment_B(thr_ab.partition_B(sB))
-        if cutlass.const_expr(self.tile.fused):  # one accumulator: columns [0, n) input, [n, 2n) gate
-            tCrG = tCrB
-            acc_a = cute.make_rmem_tensor(thr_ab.partition_shape_C((self.tile.m, 2 * self.tile.n)), self.acc_dtype)
-            acc_g = acc_a
-        else:
-            tCrG = tiled_mma.make_fragment_B(thr_mma.partition_B(sG))
-            acc_a = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_in.T
-            acc_g = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_gate.T
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        tCrG = tiled_mma.make_fragment_B(thr_mma.partition_B(sG))
+        acc_a = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_in.T
+        acc_g = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)  # x @ W_gate.T
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
         k_tiles = cute.size(gA, mode=[3])
@@ -293,12 +261,15 @@ class GegluGemm:
         for tile in cutlass.range(cidx, n_tiles, grid_clusters, unroll=1):
             pid_m, pid_n = self._tile_mn(tile, num_m, num_n, in_cluster)
             # k tile 0, unrolled at trace time: the first k block of each accumulator overwrites it.
-            tiled_mma_ab.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mainloop.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
-                self._mma(tiled_mma_ab, acc_a, acc_g, tCrA, tCrB, tCrG, kb, read.index)
-                tiled_mma_ab.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(tiled_mma, acc_a, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
+                          acc_a)
+                cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)], tCrG[(None, None, kb, read.index)],
+                          acc_g)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.commit_group()
             read.advance()
 
@@ -311,7 +282,10 @@ class GegluGemm:
                     mainloop.consumer_wait(read)
                     cute.nvgpu.warpgroup.fence()
                     for kb in cutlass.range_constexpr(num_k_blocks):
-                        self._mma(tiled_mma_ab, acc_a, acc_g, tCrA, tCrB, tCrG, kb, read.index)
+                        cute.gemm(tiled_mma, acc_a, tCrA[(None, None, kb, read.index)],
+                                  tCrB[(None, None, kb, read.index)], acc_a)
+                        cute.gemm(tiled_mma, acc_g, tCrA[(None, None, kb, read.index)],
+                                  tCrG[(None, None, kb, read.index)], acc_g)
                     cute.nvgpu.warpgroup.commit_group()
                     read.advance()
                     cute.nvgpu.warpgroup.wait_group(1)
@@ -326,8 +300,6 @@ class GegluGemm:
                     producer.advance()
 
             rounds = (tile - cidx) // grid_clusters  # this CTA's tiles before this one: the store buffers' turn
-            if cutlass.const_expr(self.tile.fused):
-                acc_a, acc_g = self._halves(acc_a, tCgC)
             self.epilogue(acc_a, acc_g, sC, gC[(None, None, pid_m, pid_n)], tiled_mma, tma_atom_o, tidx, warp_idx,
                           rounds)
 
@@ -346,32 +318,9 @@ class GegluGemm:
         mainloop.producer_acquire(producer)
         bar = mainloop.producer_get_barrier(producer)
         cute.copy(tma_atom_x, tAgA[(None, m, k)], tAsA[(None, producer.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-        b, g = producer.index, producer.index
-        if cutlass.const_expr(self.tile.fused):  # the stage's tile: input half's slab, then the gate half's
-            b, g = 2 * producer.index, 2 * producer.index + 1
-        cute.copy(tma_atom_w, tBgB[(None, n, k)], tBsB[(None, b)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
-        cute.copy(tma_atom_w, tGgG[(None, n, k)], tGsG[(None, g)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+        cute.copy(tma_atom_w, tBgB[(None, n, k)], tBsB[(None, producer.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+        cute.copy(tma_atom_w, tGgG[(None, n, k)], tGsG[(None, producer.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
         mainloop.producer_commit(producer)
-
-    @cute.jit
-    def _mma(self, tiled_mma_ab, acc_a, acc_g, tCrA, tCrB, tCrG, kb, stage):
-        """One k block: a WGMMA of N = 2n into the one accumulator (fused), or one per half."""
-        cute.gemm(tiled_mma_ab, acc_a, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc_a)
-        if cutlass.const_expr(not self.tile.fused):
-            cute.gemm(tiled_mma_ab, acc_g, tCrA[(None, None, kb, stage)], tCrG[(None, None, kb, stage)], acc_g)
-
-    @cute.jit
-    def _halves(self, acc: cute.Tensor, tCgC: cute.Tensor):
-        """The fused accumulator's input and gate halves as two (m, n)-tile fragments. A thread's
-        WGMMA values are (2, 2, N / 8) per 64 rows, flat index a + 2b + 4j for column 8j + ..., so
-        columns [0, n) are its first size / 2 values and column c + n sits size / 2 after c."""
-        acc_a = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-        acc_g = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
-        half = cute.size(acc_a)
-        for i in cutlass.range_constexpr(half):
-            acc_a[i] = acc[i]
-            acc_g[i] = acc[i + half]
-        return acc_a, acc_g
 
     @cute.jit
     def _tile_mn(self, t: cutlass.Int32, num_m: cutlass.Int32, num_n: cutlass.Int32, in_cluster):
