@@ -77,14 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                          ("packedenc[triton]", lambda: tri(x, w, None, "gelu"))):
             records.append({**head, "system": name, "status": "ok", "ms": median_ms(fn, reps=20, warmup=5)})
         for spec in a.tiles:
-            fields = spec.split(",")
-            epi_n = 64 if "epi64" in fields else 32
-            vals = [int(v) for v in fields if not v.startswith("epi")]
+            vals = [int(v) for v in spec.split(",")]
             m, n, stages, cm, cn = vals[:5]
             ctas = None if len(vals) < 6 else (vals[5] or 1 << 30)
-            rec = {**head, "system": "packedenc[cute]", "tile": [m, n, stages, cm, cn], "epi_n": epi_n, "max_ctas": ctas}
+            rec = {**head, "system": "packedenc[cute]", "tile": [m, n, stages, cm, cn], "max_ctas": ctas}
             try:
-                tile = G.Tile(m, n, stages, (cm, cn), epi_n)
+                tile = G.Tile(m, n, stages, (cm, cn))
                 run = lambda tile=tile, ctas=ctas: G.geglu(x, w, tile, ctas)  # noqa: E731
                 e, base, ok = _err(run()[rows], x[rows], w)
                 e_r, base_r, ok_r = _err(G.geglu(x_ragged, w, tile, ctas), x_ragged, w)
@@ -104,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * T64K * D * 2 * FM
     for r in records:
         tile = ",".join(map(str, r.get("tile", []))) or "-"
-        tile += ",epi64" if r.get("epi_n") == 64 else ""
         tile += "" if r.get("max_ctas") is None else f" x{r['max_ctas'] if r['max_ctas'] < 1 << 30 else 'all'}"
         ms = r.get("ms")
         cells = f"{ms:7.3f} {ms / gemm_ms:8.2f} {flops / ms / 1e9:8.0f}" if ms else f"{'-':>7s} {'-':>8s} {'-':>8s}"

@@ -51,16 +51,12 @@ INV_SQRT2 = 1.0 / math.sqrt(2.0)
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
 
-EPI_BYTES = 32768  # the epilogue's staging buffers, (m x epi_n) tiles in turn: 4 of m x 32 or 2 of m x 64
-
-
-def epi_stages(tile: "Tile") -> int:
-    return EPI_BYTES // (tile.m * tile.epi_n * 2) if tile.m == 128 else 4
+EPI_N, EPI_STAGES = 32, 4  # the epilogue's staging tiles (m x 32 for 16-bit outputs), in turn
 
 
 def smem_bytes(tile: "Tile") -> int:
     # the load stages, the epilogue's own buffers (the next tile's slabs load meanwhile), barriers and alignment
-    return tile.stages * (tile.m + 2 * tile.n) * BK * 2 + epi_stages(tile) * tile.m * tile.epi_n * 2 + 1024
+    return tile.stages * (tile.m + 2 * tile.n) * BK * 2 + EPI_STAGES * tile.m * EPI_N * 2 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +67,10 @@ class Tile:
     n: int = 128  # per half: the CTA multiplies m x 2n; 2 x 64 x n fp32 registers per warp group
     stages: int = 4  # (m + 2n) x 64 x 2 B each; 4 x 48 KiB at 128 x 128
     cluster: tuple[int, int] = (1, 1)  # (2, 1): two M tiles share the weight slabs (TMA multicast)
-    epi_n: int = 32  # the epilogue's store tile m x epi_n: 64 halves its steps (and their barriers)
 
     def __post_init__(self):
         if self.m not in (64, 128) or self.n not in (64, 128, 192) or self.stages < 2:
             raise ValueError(f"Tile: m in (64, 128), n in (64, 128, 192), stages >= 2; got {self}")
-        if self.epi_n not in (32, 64) or self.n % self.epi_n:
-            raise ValueError(f"Tile: epi_n in (32, 64) dividing n, got {self}")
         if self.cluster not in ((1, 1), (2, 1), (1, 2), (2, 2)):
             raise ValueError(f"Tile: cluster must be (1|2, 1|2), got {self.cluster}")
         if smem_bytes(self) > SMEM_CAPACITY:
@@ -100,7 +93,7 @@ class GegluGemm:
         self.mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.threads_per_cta = 128 * self.mma_warp_groups
         self.tile_shape_mnk = (tile.m, tile.n, BK)
-        self.ab_stage, self.epi_stage = tile.stages, epi_stages(tile)
+        self.ab_stage, self.epi_stage = tile.stages, EPI_STAGES
         self.num_mcast_ctas_a, self.num_mcast_ctas_b = tile.cluster[1], tile.cluster[0]
         self.is_a_mcast, self.is_b_mcast = self.num_mcast_ctas_a > 1, self.num_mcast_ctas_b > 1
 
@@ -111,7 +104,8 @@ class GegluGemm:
             self.dtype, self.dtype, k_major, k_major, self.acc_dtype, self.atom_layout_mnk,
             tiler_mn=(64, self.tile.n))
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
-        self.epi_tile = (self.tile.m, self.tile.epi_n)
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override(
+            self.tile_shape_mnk, self.dtype, is_cooperative=self.mma_warp_groups == 2)
         self.a_smem_layout_staged = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, self.tile_shape_mnk, self.dtype, self.ab_stage)
         self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
