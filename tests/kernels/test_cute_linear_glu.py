@@ -160,8 +160,9 @@ print("compiled")
 
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
-def test_the_kernel_compiles_for_sm90a_without_a_gpu():
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def test_the_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PACKEDENC_CUTE_CACHE": str(tmp_path / "cache")}  # the user's own cache stays untouched
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
