@@ -114,32 +114,20 @@ def part_attention(run: Run) -> list[dict[str, Any]]:
         from packedenc.kernels.cute import attention as fa4
 
         systems["packedenc[cute]"] = fa4.varlen_attention
+    # the workloads with and without the window, then (global only) the crossover packs where FA4's
+    # mean-length row is placed: global layers of 64k packs between mid-64k and doc-64k
+    cases = [(f"{w}{s}", A.lengths(w), A.WINDOW if s else (-1, -1)) for w in A.WORKLOADS for s in ("", "-window")]
+    cases += [(wl, A.lengths(wl, spec=spec), (-1, -1)) for wl, spec in CROSSOVER.items()]
     records = []
-    for wl in (f"{w}{s}" for w in A.WORKLOADS for s in ("", "-window")):
-        lens = A.lengths(wl.removesuffix("-window"))
-        window = A.WINDOW if wl.endswith("-window") else (-1, -1)
-        base = dict(workload=wl, tokens=sum(lens), sequences=len(lens), max_seqlen=max(lens), window=list(window),
-                    heads=A.H, head_dim=A.K)
+    for wl, lens, window in cases:
+        base = dict(workload=wl, tokens=sum(lens), sequences=len(lens), max_seqlen=max(lens),
+                    mean_seqlen=sum(lens) / len(lens), window=list(window), heads=A.H, head_dim=A.K)
         if err is not None:
             records.append(run.record("packedenc[cute]", status="absent", error=err, **base))
         for name, fn in systems.items():
             try:
                 rec = run.record(name, **base, **_check(fn, lens, window, A.H, A.K), **A.time_system(fn, lens, window))
             except Exception as e:  # noqa: BLE001 - a failing system is a record, not the end of the run
-                traceback.print_exc()
-                rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **base)
-            records.append(rec)
-            print(line(rec), flush=True)
-    # where FA4's mean-length row is placed: global layers of 64k packs between mid-64k and doc-64k
-    for wl, spec in CROSSOVER.items():
-        lens = A.lengths(wl, spec=spec)
-        base = dict(workload=wl, tokens=sum(lens), sequences=len(lens), max_seqlen=max(lens),
-                    mean_seqlen=sum(lens) / len(lens), window=[-1, -1], heads=A.H, head_dim=A.K)
-        for name, fn in systems.items():
-            try:
-                rec = run.record(name, **base, **_check(fn, lens, (-1, -1), A.H, A.K),
-                                 **A.time_system(fn, lens, (-1, -1)))
-            except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rec = run.record(name, status="failed", error=f"{type(e).__name__}: {e}"[:300], **base)
             records.append(rec)
