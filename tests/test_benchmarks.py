@@ -201,7 +201,7 @@ def test_the_readmes_tables_are_one_commits_records_as_committed():
     root = Path(__file__).resolve().parents[1]
     doc = (root / "README.md").read_text()
     block = doc.split(report.BEGIN, 1)[1].split(report.END, 1)[0].lstrip("\n")
-    commits = set(re.findall(r"^NVIDIA [^,]+, commit ([0-9a-f]{7,12}),", block, flags=re.M))
+    commits = set(re.findall(r"^NVIDIA [^,]+, commit ([0-9a-f]{7,40}),", block, flags=re.M))
     assert len(commits) == 1, commits
     _, by_family = report.load(records.RESULTS_DIR, None, report.DEFAULT_FAMILIES)
     assert block == report.render(report.pick(by_family, commits.pop(), False))
