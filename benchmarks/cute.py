@@ -105,6 +105,24 @@ CROSSOVER = {"doc200-64k": (None, 200, 0.7, 32, 2048), "doc250-64k": (None, 250,
              "doc300-64k": (None, 300, 0.7, 32, 2048)}
 
 
+# Packs that auto's long-global row sends to FA4 whole (a sequence of LONG_SEQLEN or more) while
+# the rest is short: (the long sequence, the workload whose lengths fill the pack, the pack's tokens)
+MIXED = {"mixed-query-16k": (2048, "query-64k", 16384), "mixed-doc-16k": (4096, "doc-64k", 16384),
+         "mixed-doc-64k": (2048, "doc-64k", 65536)}
+
+
+def mixed_lengths(name: str) -> list[int]:
+    """One long sequence, then the filling workload's lengths while they fit the pack's tokens."""
+    long, fill, budget = MIXED[name]
+    out, total = [long], long
+    for n in A.lengths(fill):
+        if total + n > budget:
+            break
+        out.append(n)
+        total += n
+    return out
+
+
 def part_attention(run: Run) -> list[dict[str, Any]]:
     from packedenc.kernels import get_ops
 
@@ -118,6 +136,7 @@ def part_attention(run: Run) -> list[dict[str, Any]]:
     # mean-length row is placed: global layers of 64k packs between mid-64k and doc-64k
     cases = [(f"{w}{s}", A.lengths(w), A.WINDOW if s else (-1, -1)) for w in A.WORKLOADS for s in ("", "-window")]
     cases += [(wl, A.lengths(wl, spec=spec), (-1, -1)) for wl, spec in CROSSOVER.items()]
+    cases += [(wl, mixed_lengths(wl), (-1, -1)) for wl in MIXED]
     records = []
     for wl, lens, window in cases:
         base = dict(workload=wl, tokens=sum(lens), sequences=len(lens), max_seqlen=max(lens),
