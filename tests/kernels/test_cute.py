@@ -178,6 +178,22 @@ def test_cute_rows_are_chosen_only_with_a_record_and_fa4_only_for_long_global_la
             assert wl in cited, wl
         else:
             assert mine["fwd_device_ms"] > theirs["fwd_device_ms"], wl
+    # one long sequence among short ones: a mixed pack at or above MEAN_SEQLEN on average is cited
+    # for the long-global row, one below it shows FA4 losing (forward and backward, on the device)
+    from benchmarks.cute import MIXED, mixed_lengths
+    cited = set(fa4_long.evidence.workloads)
+    below = 0
+    for wl in MIXED:
+        lens = mixed_lengths(wl)
+        assert max(lens) >= auto.LONG_SEQLEN, wl
+        mine, theirs = recs[("packedenc[cute]", wl)], recs[("packedenc[triton]", wl)]
+        if sum(lens) >= auto.MEAN_SEQLEN * len(lens):
+            assert wl in cited, wl
+        else:
+            below += 1
+            for metric in ("fwd_device_ms", "fwd_bwd_device_ms"):
+                assert mine[metric] > theirs[metric], (wl, metric)
+    assert below >= 1
 
 
 def test_the_inference_shape_class():
@@ -226,8 +242,8 @@ def test_a_measured_shaped_row_takes_its_shape_class_and_hands_on_the_rest(fake_
     name = choose("varlen_attention", "auto", "cuda", {"test-fa", "test-tri"}.__contains__)
     assert name == "test-fa[long-global]>test-tri"
     fn = kernels._entry("varlen_attention", name)
-    L = auto.LONG_SEQLEN
-    q, cu = torch.zeros(4, 2, 64, dtype=torch.bfloat16), cu_seqlens((4,), "cpu")
+    L, M = auto.LONG_SEQLEN, auto.MEAN_SEQLEN
+    q, cu = torch.zeros(M, 2, 64, dtype=torch.bfloat16), cu_seqlens((M,), "cpu")  # mean M: long enough
     fn(q, q, q, cu, L)  # global, long, inference: the shaped row
     fn(q, q, q, cu, L, window=(64, 64))  # windowed
     fn(q, q, q, cu, L - 1)  # shorter than the class
@@ -240,8 +256,9 @@ def test_a_measured_shaped_row_takes_its_shape_class_and_hands_on_the_rest(fake_
 
 
 def test_two_shaped_rows_of_one_backend_and_the_large_global_class(monkeypatch):
-    """FA4's two rows: long sequences at any size, or a large pack whose mean length reaches
-    MEAN_SEQLEN (host values: T and the cu_seqlens length); everything else goes on down the chain."""
+    """FA4's two rows: long sequences at any pack size, or a large pack, either way when the mean
+    length reaches MEAN_SEQLEN (host values: T and the cu_seqlens length); everything else goes on
+    down the chain."""
     calls = []
     monkeypatch.setitem(kernels._IMPLS, "test-fa", {"varlen_attention": lambda *a, **k: calls.append("fa")})
     monkeypatch.setitem(kernels._IMPLS, "test-tri", {"varlen_attention": lambda *a, **k: calls.append("tri")})
@@ -263,8 +280,10 @@ def test_two_shaped_rows_of_one_backend_and_the_large_global_class(monkeypatch):
     fn(q, q, q, cu(T // M + 1), L)  # mean < M
     fn(q, q, q, cu(T // M), L, window=(64, 64))  # windowed
     fn(q[:-1], q[:-1], q[:-1], cu(1), L)  # one long sequence, but under LARGE_PACK and LONG_SEQLEN
-    fn(q[:64], q[:64], q[:64], cu(1), auto.LONG_SEQLEN)  # a long sequence in a small pack: the first row
-    assert calls == ["fa", "tri", "tri", "tri", "fa"]
+    fn(q[:M], q[:M], q[:M], cu(1), auto.LONG_SEQLEN)  # a long sequence in a small pack: the first row
+    fn(q[:M], q[:M], q[:M], cu(2), auto.LONG_SEQLEN)  # ... among short ones (mean under M): neither
+    fn(q, q, q, cu(T // M + 1), auto.LONG_SEQLEN)  # a large pack, long, but short on average: neither
+    assert calls == ["fa", "tri", "tri", "tri", "fa", "tri", "tri"]
 
 
 def test_describe_ops_names_every_op_its_choice_and_why():
