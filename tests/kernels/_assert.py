@@ -8,10 +8,14 @@ tensors; with one they run compiled on CUDA tensors.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import Tensor
 
 HAS_CUDA = torch.cuda.is_available()
+# nvidia-cutlass-dsl (the cute extra's compiler) is importable: CuteDSL kernels compile, GPU or not
+HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 # Lengths that cross 64-token tile / window edges, plus length 1 (GPU tests).

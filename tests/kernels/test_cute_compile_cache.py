@@ -8,7 +8,6 @@ is installed (no GPU needed): the real GeGLU GEMM compiled for sm_90a in one pro
 the next. GPU (`gpu` + `cute`): a loaded kernel computes what a compiled one does.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,10 +17,9 @@ import pytest
 import torch
 
 from packedenc.kernels.cute import compile_cache as CC
-from tests.kernels._assert import skip_without_cute
+from tests.kernels._assert import HAS_CUTLASS, skip_without_cute
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 
 
 class FakeCute:

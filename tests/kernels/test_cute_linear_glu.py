@@ -9,7 +9,7 @@ base and large widths, fp16 and bf16; the table, compile and CUDA-graph capture.
 Shapes: T packed tokens, D hidden, F mlp width.
 """
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -23,10 +23,9 @@ from packedenc import kernels
 from packedenc.errors import InputError
 from packedenc.kernels import auto, choose, get_ops, reference
 from packedenc.kernels.cute import linear_glu as LG
-from tests.kernels._assert import assert_close_to_ref, skip_without_cute
+from tests.kernels._assert import HAS_CUTLASS, assert_close_to_ref, skip_without_cute
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 
 
 def _xw(T, D, F, dtype=torch.float32, device="cpu"):
