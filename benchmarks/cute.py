@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import attention as A
-from benchmarks.cute_common import BF16, D, FM, T64K, cute_error, line, stream_ms, time_ms
+from benchmarks.cute_common import BF16, D, FM, T64K, auto_without_cute, cute_error, line, stream_ms, time_ms
 from benchmarks.records import RESULTS_DIR, Run, write_records
 
 PARTS = ("attention", "geglu", "norms", "model")
@@ -221,15 +221,6 @@ def part_norms(run: Run) -> list[dict[str, Any]]:
 # ---- 4. model ------------------------------------------------------------------------------------------
 
 
-def _auto_without_cute() -> Any:
-    """The op table `auto` builds on a CUDA machine without the cute extra (the same rows, cute unusable)."""
-    from packedenc import kernels
-
-    chosen = tuple((op, kernels.choose(op, "auto", "cuda", lambda b: b != "cute" and kernels._usable_on_cuda(b)))
-                   for op in kernels.OP_NAMES)
-    return kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
-
-
 MODEL_WORKLOADS = ("long", "doc-64k", "query")  # query: eager short batches, where the host decides
 
 
@@ -264,7 +255,7 @@ def part_model(run: Run, batches: int = 3, passes: int = 2, names: tuple[str, ..
                     continue
                 try:
                     if system == "packedenc[auto,no-cute]":
-                        backend = _auto_without_cute()
+                        backend = auto_without_cute()
                     fn = functools.partial(pe.encode, params, backend=backend)
                     if system.endswith("+graphs"):  # the budget: this workload's largest batch
                         fn = pe.graphed(params, max_tokens=max(int(i[0].numel()) for i in inputs),
@@ -289,7 +280,7 @@ def part_model(run: Run, batches: int = 3, passes: int = 2, names: tuple[str, ..
                 extra = {}
                 if system != "packedenc[triton]" and "packedenc[triton]" in outs:
                     cos = F.cosine_similarity(outs[system].float(), outs["packedenc[triton]"].float(), dim=-1)
-                    table = (_auto_without_cute() if system == "packedenc[auto,no-cute]"
+                    table = (auto_without_cute() if system == "packedenc[auto,no-cute]"
                              else pe.get_ops("cute" if system == "packedenc[cute]" else "auto", "cuda"))
                     extra = dict(min_cos_vs_triton=cos.min().item(),
                                  ops=",".join(f"{o}={b}" for o, b in table.chosen))

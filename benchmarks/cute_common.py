@@ -22,6 +22,16 @@ def cute_error() -> str | None:
     return None if kernels._load_backend("cute") else kernels._IMPORT_ERRORS.get("cute", "not registered")
 
 
+def auto_without_cute() -> Any:
+    """The op table `auto` builds on a CUDA machine without the cute extra (the same rows, cute
+    unusable): what the cute rows replace, as a system beside `auto` in one process."""
+    from packedenc import kernels
+
+    chosen = tuple((op, kernels.choose(op, "auto", "cuda", lambda b: b != "cute" and kernels._usable_on_cuda(b)))
+                   for op in kernels.OP_NAMES)
+    return kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
+
+
 def time_ms(fn: Callable[[], Any]) -> float:
     """One call's time, host launch included (the GPU waits for it): what a host-bound batch pays."""
     return A.median_ms(fn, reps=20, warmup=5)

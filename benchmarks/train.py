@@ -20,7 +20,9 @@ Systems: `packedenc` (the eager step, backend auto), `packedenc+graphs` (the sam
 `packedenc.cudagraphs.graphed_step`; absent where packedenc has none), `torch-packed` (plain
 torch through autograd, torch's flash varlen backward), `hf-sdpa` / `hf-eager` (transformers,
 dynamic padding), `disentangled-flash` (padded) and `disentangled-flash-packed` (absent when not
-installed), `packedenc+checkpoint` (per-layer recompute; only when named). Probe: before any step, each
+installed), `packedenc+checkpoint` (per-layer recompute; only when named), `packedenc[auto,no-cute]`
+(ModernBERT, CUDA, only when named: the eager step on the table `auto` builds without the cute extra, the
+A/B of the extra's rows in training; with the extra installed, `packedenc` takes them). Probe: before any step, each
 system's per-token losses on one batch against the reference system's (same weights and masks:
 they must agree to bf16 noise), recorded as `probe_rel_diff`.
 
@@ -75,7 +77,8 @@ def _modernbert_systems(host: Any, device: torch.device, dt: torch.dtype | None)
     return [ts.PackedencTrain("packedenc", host, device, dt), ts.GraphedStepTrain(host, device, dt),
             ts.TorchPackedTrain("torch-packed", host, device, dt),
             tp.HFTrain("hf-sdpa", host, device, dt, attn="sdpa", pad_id=pad),
-            ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True)]
+            ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True),
+            ts.PackedencTrain("packedenc[auto,no-cute]", host, device, dt, no_cute=True)]
 
 
 def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:

@@ -126,16 +126,23 @@ class PackedencTrain(TrainSystem):
     AdamW kernel). `packedenc+graphs` replays the same step from CUDA graphs."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 backend: str = "auto", checkpoint: bool = False) -> None:
+                 backend: str = "auto", checkpoint: bool = False, no_cute: bool = False) -> None:
         super().__init__(device, compute_dtype)
         self.name, self.host_params, self.backend, self.checkpoint = name, host_params, backend, checkpoint
-        self.optional = checkpoint  # the memory / speed trade-off, on request
+        self.no_cute = no_cute  # auto's table as it is without the cute extra (made in setup: CUDA only)
+        self.optional = checkpoint or no_cute  # the memory / speed trade-off, the extra's A/B: on request
+        if no_cute and torch.device(device).type != "cuda":
+            self.absent = "auto's table without the cute extra is a CUDA table"
         self.fn: Any = None
         self.state: Any = None
 
     def setup(self) -> None:
         from packedenc.train import AdamW, TrainState, make_step
 
+        if self.no_cute:
+            from benchmarks.cute_common import auto_without_cute
+
+            self.backend = auto_without_cute()
         # fp32 master weights owned by the state, a copy: its in-place updates must not reach the host tree
         params = torch.utils._pytree.tree_map(lambda t: t.detach().to(self.device, copy=True), self.host_params)
         self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01), compute_dtype=self.compute)

@@ -350,16 +350,17 @@ def test_issue_21_targets_read_the_cute_and_ops_records():
 
 
 def test_the_cute_familys_rival_for_auto_is_auto_without_the_extra(monkeypatch):
-    """`packedenc[auto,no-cute]`: the table auto builds where the extra does not load (the rows
-    below the cute ones, routed entries included), here with a stand-in cute backend registered."""
-    from benchmarks import cute as bench_cute
+    """`packedenc[auto,no-cute]` (the cute family's model part, the train family's step): the table
+    auto builds where the extra does not load (the rows below the cute ones, routed entries
+    included), here with a stand-in cute backend registered."""
+    from benchmarks.cute_common import auto_without_cute
     from packedenc import kernels
 
     importlib.import_module("packedenc.kernels.triton")
     monkeypatch.setitem(kernels._IMPLS, "cute", {"linear_glu": lambda *a, **k: None})
     monkeypatch.setitem(kernels._COVERS, ("cute", "linear_glu"), lambda *a, **k: True)
     monkeypatch.setattr(kernels, "_usable_on_cuda", {"reference", "triton", "flash", "cute"}.__contains__)
-    chosen = dict(bench_cute._auto_without_cute().chosen)
+    chosen = dict(auto_without_cute().chosen)
     assert chosen["linear_glu"] == "triton" and not any("cute" in b for b in chosen.values())
     assert chosen["rotary_attention"] == "triton[uncaptured]>rotary+varlen_attention"  # auto's own route
     assert kernels.choose("linear_glu", "auto", "cuda") == "cute[large-pack]>triton"  # the extra's row
