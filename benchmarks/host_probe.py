@@ -143,6 +143,7 @@ def _op_rows(dev: torch.device, backend: str, dtype: torch.dtype, lengths: list[
 def _torch_rows(dev: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
     x, w = torch.randn(T, D, device=dev, dtype=dtype), torch.randn(D, device=dev, dtype=dtype)
     wqkv = torch.randn(3 * D, D, device=dev, dtype=dtype)
+    bqkv, out = torch.randn(3 * D, device=dev, dtype=dtype), torch.empty(T, 3 * D, device=dev, dtype=dtype)
     rows = {}
     if dev.type == "cuda":  # what auto's `uncaptured` shape class asks on every rotary_attention call
         from packedenc.kernels import auto
@@ -154,6 +155,11 @@ def _torch_rows(dev: torch.device, dtype: torch.dtype) -> dict[str, Callable[[],
         "torch.add": lambda: x + x,
         "torch.layer_norm": lambda: F.layer_norm(x, (D,), w, None, EPS),
         "torch.linear(Wqkv)": lambda: F.linear(x, wqkv),
+        # DeBERTa's and BERT's GEMMs carry a bias: what the bias and the output's allocation cost the
+        # host (cuBLASLt's bias epilogue vs a plain GEMM; a preallocated output)
+        "torch.linear(Wqkv, bias)": lambda: F.linear(x, wqkv, bqkv),
+        "torch.addmm(bias, out=)": lambda: torch.addmm(bqkv, x, wqkv.t(), out=out),
+        "torch.mm(out=)": lambda: torch.mm(x, wqkv.t(), out=out),
     }
 
 
