@@ -71,9 +71,9 @@ class Row:
 # by 4-8x and on mid-64k (longest 866, mean 189) by 1.2-1.6x (cute_h200.json). FA4 tiles each
 # sequence alone, so what decides is how many of its tiles a pack's sequences fill; the longest is
 # a host value that tracks it on these workloads, and the threshold stays at the shortest measured win.
-# The longest alone is not enough: one long sequence among many short ones (mixed-query-16k, one
-# 2048-token sequence among 522 query-like ones, mean 31) makes FA4 2.4-3.7x slower on the device, so
-# the class also asks for MEAN_SEQLEN on average, as the large-pack class does (below).
+# The longest alone is not enough: one long sequence among many short ones (cute_h200.json,
+# mixed-query-16k) makes FA4 several times slower on the device, FA4 paying a tile per short
+# sequence, so the class also asks for MEAN_SEQLEN on average, as the large-pack class does (below).
 LONG_SEQLEN = 2048
 
 
@@ -164,9 +164,9 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
         Row("triton", _MODEL),
     ),
     "varlen_attention": (
-        # FA4; windowed and short: triton wins. Device time: one call adds FA4's ~0.2 ms of host a
-        # forward (0.5 with the backward), a tie on the 16k mixed pack (fwd + bwd 1.32 vs 1.28 ms) and
-        # within the lease's noise on doc-64k's forward (0.80 vs 0.75 at 39a53e7, a win at b7500e3)
+        # FA4; windowed and short: triton wins. Judged on device time: a single call also pays FA4's
+        # host launch, about twice Triton's, which makes the 16k mixed pack a tie in one call and
+        # doc-64k's one-call forward a win or a loss by lease (cute_h200.json; history/cute_h200_b7500e3.json)
         Row("cute", Evidence("cute_h200.json", ("fwd_device_ms", "fwd_bwd_device_ms"), "packedenc[cute]",
                              "packedenc[triton]", ("long", "doc-64k", "mixed-doc-16k", "mixed-doc-64k")),
             "long-global"),
