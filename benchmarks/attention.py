@@ -76,11 +76,14 @@ def lengths(name: str, seed: int = 0, spec: tuple | None = None) -> list[int]:
     n = count or BUDGET // lo + 1
     z = torch.randn(n, generator=g, dtype=torch.float64)
     lens = torch.exp(math.log(median) + sigma * z).round().clamp(lo, hi).long().tolist()
-    if count:
-        return lens
+    return lens if count else prefix_within(lens, BUDGET)  # the 64k pack
+
+
+def prefix_within(lens: list[int], budget: int) -> list[int]:
+    """The longest prefix of `lens` whose sum fits `budget` tokens."""
     out, total = [], 0
-    for n in lens:  # the 64k pack: the longest prefix that fits the budget
-        if total + n > BUDGET:
+    for n in lens:
+        if total + n > budget:
             break
         out.append(n)
         total += n

@@ -114,13 +114,7 @@ MIXED = {"mixed-query-16k": (2048, "query-64k", 16384), "mixed-doc-16k": (4096, 
 def mixed_lengths(name: str) -> list[int]:
     """One long sequence, then the filling workload's lengths while they fit the pack's tokens."""
     long, fill, budget = MIXED[name]
-    out, total = [long], long
-    for n in A.lengths(fill):
-        if total + n > budget:
-            break
-        out.append(n)
-        total += n
-    return out
+    return [long, *A.prefix_within(A.lengths(fill), budget - long)]
 
 
 def part_attention(run: Run) -> list[dict[str, Any]]:
