@@ -11,7 +11,8 @@ Everything in bf16, ModernBERT-base shapes, seeded inputs; each part checks befo
    rule (error <= 2 x that of the plain bf16 attention + 1e-3 x scale), and FA4 at K=128 (H=6)
    on doc-64k; then global layers of 64k packs with mean lengths between mid-64k's and doc-64k's
    (`CROSSOVER`: doc200-64k, doc250-64k, doc300-64k), where auto's mean-length row for FA4 is
-   placed. Time: `fwd_ms` (no grad), `fwd_bwd_ms` (forward + autograd.grad of q, k, v),
+   placed; one long sequence among shorter ones (`MIXED`); packs the size of training batches
+   (`TRAIN`: ~16k and ~4k tokens, means 197-448), where auto's training row is placed. Time: `fwd_ms` (no grad), `fwd_bwd_ms` (forward + autograd.grad of q, k, v),
    CUDA events, median of 15 after warm-up (FA4 compiles in the warm-up).
 2. geglu: the MLP input projection at 65,536 x 768 -> 2 x 1152 (`geglu-64k`; and at 4,096 rows,
    `geglu-4k`, a short batch where the host launch decides): every backend that
@@ -117,6 +118,23 @@ def mixed_lengths(name: str) -> list[int]:
     return [long, *A.prefix_within(A.lengths(fill), budget - long)]
 
 
+# Packs the size of training batches (the train family's `doc`, ~16k tokens, and `doc-b8`, ~4k), global
+# layers, for auto's training row (`auto.train_global`, which asks for a mean of TRAIN_MEAN_SEQLEN at
+# any size): (the workload whose lengths fill the pack, its spec or None, the pack's tokens). Means
+# (the seeded draws): doc-16k 432, doc-4k 448, doc250-16k 322, doc200-16k 264, doc200-4k 253,
+# mid-16k 197, mid-4k 212.
+TRAIN = {"doc-16k": ("doc-64k", None, 16384), "doc-4k": ("doc-64k", None, 4096),
+         "doc250-16k": ("doc250-64k", CROSSOVER["doc250-64k"], 16384),
+         "doc200-16k": ("doc200-64k", CROSSOVER["doc200-64k"], 16384),
+         "doc200-4k": ("doc200-64k", CROSSOVER["doc200-64k"], 4096),
+         "mid-16k": ("mid-64k", None, 16384), "mid-4k": ("mid-64k", None, 4096)}
+
+
+def train_lengths(name: str) -> list[int]:
+    fill, spec, budget = TRAIN[name]
+    return A.prefix_within(A.lengths(fill, spec=spec), budget)
+
+
 def part_attention(run: Run) -> list[dict[str, Any]]:
     from packedenc.kernels import get_ops
 
@@ -131,6 +149,7 @@ def part_attention(run: Run) -> list[dict[str, Any]]:
     cases = [(f"{w}{s}", A.lengths(w), A.WINDOW if s else (-1, -1)) for w in A.WORKLOADS for s in ("", "-window")]
     cases += [(wl, A.lengths(wl, spec=spec), (-1, -1)) for wl, spec in CROSSOVER.items()]
     cases += [(wl, mixed_lengths(wl), (-1, -1)) for wl in MIXED]
+    cases += [(wl, train_lengths(wl), (-1, -1)) for wl in TRAIN]
     records = []
     for wl, lens, window in cases:
         base = dict(workload=wl, tokens=sum(lens), sequences=len(lens), max_seqlen=max(lens),

@@ -32,6 +32,22 @@ def auto_without_cute() -> Any:
     return kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
 
 
+def auto_with_candidate(op: str, shape: str) -> Any:
+    """The op table `auto` builds here, with `op`'s listed but unchosen row of shape class `shape`
+    taken in its place in the order: how a candidate row is measured beside `auto` before a record
+    makes it a chosen row (system name `packedenc[auto,<shape>]`)."""
+    from packedenc import kernels
+    from packedenc.kernels import auto
+
+    rows = auto.rows(op)
+    if not any(r.shape == shape and not r.chosen for r in rows):
+        raise ValueError(f"{op} has no unchosen row of shape class {shape!r}: {[r.name for r in rows]}")
+    names = [r.name for r in rows if r.chosen or r.shape == shape]
+    chosen = tuple((o, kernels.chain(o, names, kernels._usable_on_cuda) if o == op
+                    else kernels.choose(o, "auto", "cuda")) for o in kernels.OP_NAMES)
+    return kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
+
+
 def time_ms(fn: Callable[[], Any]) -> float:
     """One call's time, host launch included (the GPU waits for it): what a host-bound batch pays."""
     return A.median_ms(fn, reps=20, warmup=5)

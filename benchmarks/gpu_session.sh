@@ -14,7 +14,9 @@
 #   bash benchmarks/gpu_session.sh cute-probes  # the CuteDSL GeGLU call's host cost (loop, no_grad vs inference_mode), with the stack;
 #                                               #   benchmarks.residual_probe (the residual add in the GEMM vs in the norm)
 #   bash benchmarks/gpu_session.sh cute-bench   # the `cute` family alone
-#   bash benchmarks/gpu_session.sh train-cute   # ModernBERT training steps with the stack: auto (FA4 rows) vs auto without the extra;
+#   bash benchmarks/gpu_session.sh cute-attention  # its attention part alone
+#   bash benchmarks/gpu_session.sh train-cute   # ModernBERT training steps with the stack: auto (FA4 rows) vs auto without the extra
+#                                               #   vs auto with FA4's unchosen training row (train-global);
 #                                               #   records under $OUT/train-cute/ (history material: not the README's train table)
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
@@ -72,7 +74,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [train-cute]=330 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [cute-attention]=210 [train-cute]=330 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -176,14 +178,18 @@ case "$stage" in
         timeout 60 python3 -m benchmarks.residual_probe 2>&1 | tee "$out/residual_probe.txt" | tail -6 ;;
     kernel-profile)  # device time by kernel of ModernBERT-base forwards (with the stack when unpacked: auto's FA4, GeGLU GEMM)
         timeout 140 python3 -m benchmarks.kernel_profile --backends triton auto --out "$out/kernel_profile.txt" 2>&1 | tail -80 ;;
+    cute-attention)  # the cute family's attention part alone (FA4 vs Triton on every pack)
+        [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
+        bench 200 cute --only attention ;;
     cute-bench)  # the cute family alone (its GPU tests are in `tests`, run with the stack unpacked)
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
         bench 320 cute ;;
     train-cute)  # does auto's FA4 (long-global, large-global) help a training step? eager and graphed, with the stack
         [ -d "$stack/flash_attn" ] || { echo "the gpu-stack is not unpacked: run stack-a, then this stage with .gpu-stack/b"; exit 3; }
         mkdir -p "$out/train-cute"
-        timeout 320 python3 -m benchmarks train --out-dir "$out/train-cute" --models modernbert-base --workloads doc doc-64k \
-            --systems packedenc 'packedenc[auto,no-cute]' packedenc+graphs --reps 3 --passes 2 2>&1 \
+        timeout 320 python3 -m benchmarks train --out-dir "$out/train-cute" --models modernbert-base --workloads doc doc-b8 doc-64k \
+            --systems packedenc 'packedenc[auto,no-cute]' 'packedenc[auto,train-global]' packedenc+graphs \
+            'packedenc+graphs[auto,train-global]' --reps 3 --passes 2 2>&1 \
             | tee "$out/train-cute.log" | tail -20 ;;
     train-deberta)
         bench 560 train --models deberta-v3-base ;;

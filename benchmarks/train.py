@@ -22,7 +22,10 @@ torch through autograd, torch's flash varlen backward), `hf-sdpa` / `hf-eager` (
 dynamic padding), `disentangled-flash` (padded) and `disentangled-flash-packed` (absent when not
 installed), `packedenc+checkpoint` (per-layer recompute; only when named), `packedenc[auto,no-cute]`
 (ModernBERT, CUDA, only when named: the eager step on the table `auto` builds without the cute extra, the
-A/B of the extra's rows in training; with the extra installed, `packedenc` takes them). Probe: before any step, each
+A/B of the extra's rows in training; with the extra installed, `packedenc` takes them),
+`packedenc[auto,train-global]` and `packedenc+graphs[auto,train-global]` (ModernBERT, CUDA, only
+when named: `auto` with FA4's unchosen training row, `auto.train_global`, taken: the measurement
+that row waits for). Probe: before any step, each
 system's per-token losses on one batch against the reference system's (same weights and masks:
 they must agree to bf16 noise), recorded as `probe_rel_diff`.
 
@@ -78,7 +81,9 @@ def _modernbert_systems(host: Any, device: torch.device, dt: torch.dtype | None)
             ts.TorchPackedTrain("torch-packed", host, device, dt),
             tp.HFTrain("hf-sdpa", host, device, dt, attn="sdpa", pad_id=pad),
             ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True),
-            ts.PackedencTrain("packedenc[auto,no-cute]", host, device, dt, no_cute=True)]
+            ts.PackedencTrain("packedenc[auto,no-cute]", host, device, dt, no_cute=True),
+            ts.PackedencTrain("packedenc[auto,train-global]", host, device, dt, candidate="train-global"),
+            ts.GraphedStepTrain(host, device, dt, candidate="train-global")]
 
 
 def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:

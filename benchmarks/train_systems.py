@@ -126,13 +126,17 @@ class PackedencTrain(TrainSystem):
     AdamW kernel). `packedenc+graphs` replays the same step from CUDA graphs."""
 
     def __init__(self, name: str, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 backend: str = "auto", checkpoint: bool = False, no_cute: bool = False) -> None:
+                 backend: str = "auto", checkpoint: bool = False, no_cute: bool = False,
+                 candidate: str | None = None) -> None:
         super().__init__(device, compute_dtype)
         self.name, self.host_params, self.backend, self.checkpoint = name, host_params, backend, checkpoint
         self.no_cute = no_cute  # auto's table as it is without the cute extra (made in setup: CUDA only)
-        self.optional = checkpoint or no_cute  # the memory / speed trade-off, the extra's A/B: on request
-        if no_cute and torch.device(device).type != "cuda":
-            self.absent = "auto's table without the cute extra is a CUDA table"
+        # auto's table with varlen_attention's unchosen row of this shape class taken (made in setup)
+        self.candidate = candidate
+        # the memory / speed trade-off, the extra's A/B, a candidate row: on request
+        self.optional = checkpoint or no_cute or candidate is not None
+        if (no_cute or candidate) and torch.device(device).type != "cuda":
+            self.absent = "auto's table without the cute extra or with a candidate row is a CUDA table"
         self.fn: Any = None
         self.state: Any = None
 
@@ -143,6 +147,10 @@ class PackedencTrain(TrainSystem):
             from benchmarks.cute_common import auto_without_cute
 
             self.backend = auto_without_cute()
+        if self.candidate:
+            from benchmarks.cute_common import auto_with_candidate
+
+            self.backend = auto_with_candidate("varlen_attention", self.candidate)
         # fp32 master weights owned by the state, a copy: its in-place updates must not reach the host tree
         params = torch.utils._pytree.tree_map(lambda t: t.detach().to(self.device, copy=True), self.host_params)
         self.fn = make_step(self._loss, AdamW(lr=LR, weight_decay=0.01), compute_dtype=self.compute)
@@ -239,8 +247,10 @@ class GraphedStepTrain(PackedencTrain):
     phases run eagerly). Each workload gets its own graphed step, budgeted to its largest batch,
     over the one training state. Recorded absent where packedenc has no graphed step."""
 
-    def __init__(self, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None) -> None:
-        super().__init__("packedenc+graphs", host_params, device, compute_dtype)
+    def __init__(self, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
+                 candidate: str | None = None) -> None:
+        name = "packedenc+graphs" + (f"[auto,{candidate}]" if candidate else "")
+        super().__init__(name, host_params, device, compute_dtype, candidate=candidate)
         try:
             from packedenc.cudagraphs import graphed_step  # noqa: F401 - is it there?
         except ImportError:

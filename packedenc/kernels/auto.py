@@ -22,8 +22,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN", "LARGE_PACK", "MEAN_SEQLEN",
-           "inference", "long_global", "large_global", "large_pack", "uncaptured"]
+__all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN", "LARGE_PACK", "MEAN_SEQLEN", "TRAIN_MEAN_SEQLEN",
+           "inference", "long_global", "large_global", "train_global", "large_pack", "uncaptured"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,23 @@ def large_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor
     return tuple(window) == (-1, -1) and q_THK.shape[0] >= LARGE_PACK and _long_on_average(q_THK, cu_seqlens)
 
 
+# The mean sequence length from which FA4 would take the global layers of a training step's packs
+# of any size (`train_global`): its backward beats the Triton kernel's on doc-like packs by more
+# than its forward does (cute_h200.json: doc-64k and the doc-like 64k packs from a mean of ~260),
+# and training batches are a few thousand to ~16k tokens, below LARGE_PACK. The row is listed
+# unmeasured (benchmarks/cute.py's TRAIN packs and the train family's `packedenc[auto,train-global]`
+# measure it); the threshold sits at the lowest doc-like 64k pack whose forward + backward FA4 wins.
+TRAIN_MEAN_SEQLEN = 256
+
+
+def train_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                 window: tuple[int, int] = (-1, -1), scale: float | None = None, **kwargs: object) -> bool:
+    """varlen_attention of a global layer that computes gradients, over sequences TRAIN_MEAN_SEQLEN
+    long on average, whatever the pack's size."""
+    return (tuple(window) == (-1, -1) and q_THK.shape[0] >= TRAIN_MEAN_SEQLEN * (cu_seqlens.shape[0] - 1)
+            and not inference(q_THK, k_THK, v_THK))
+
+
 def inference(*args: object, **kwargs: object) -> bool:
     """Any op's call with no gradient to compute (no tensor argument requires one, or grad is off)."""
     if not torch.is_grad_enabled():
@@ -135,7 +152,7 @@ def uncaptured(*args: object, **kwargs: object) -> bool:
     return t is None or not t.is_cuda or not torch.cuda.is_current_stream_capturing()
 
 
-SHAPES = {"long-global": long_global, "large-global": large_global, "inference": inference, "uncaptured": uncaptured, "large-pack": large_pack}
+SHAPES = {"long-global": long_global, "large-global": large_global, "train-global": train_global, "inference": inference, "uncaptured": uncaptured, "large-pack": large_pack}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -172,6 +189,10 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
             "long-global"),
         Row("cute", Evidence("cute_h200.json", ("fwd_device_ms", "fwd_bwd_device_ms"), "packedenc[cute]",
                              "packedenc[triton]", ("doc300-64k", "doc-64k")), "large-global"),
+        Row("cute", None, "train-global",
+            why_not="not measured: the backward's win on doc-like packs (cute_h200.json, 64k) has not been "
+                    "timed on training-size packs (cute family TRAIN packs) or in a training step "
+                    "(train family, packedenc[auto,train-global])"),
         Row("triton", Evidence("attention_h200.json", "fwd_ms", "packedenc", "torch-flash", _RESULTS)),
         Row("flash", fallback=True),
     ),

@@ -7,6 +7,7 @@ FA4's forward and gradients against the fp32 reference with the 2x rule (bf16 / 
 windowed, head dims 64 and 128), isolation, determinism, compile, CUDA-graph replay, the table.
 """
 
+import functools
 import importlib
 import sys
 from pathlib import Path
@@ -156,9 +157,10 @@ def test_every_chosen_auto_row_cites_a_committed_record_that_shows_the_win():
 def test_cute_rows_are_chosen_only_with_a_record_and_fa4_only_for_long_global_layers():
     cute_rows = {op: [r for r in rows if r.backend == "cute"] for op, rows in auto.AUTO_CUDA.items()}
     assert all(r.chosen == (r.evidence is not None) for rows in cute_rows.values() for r in rows)
-    fa4_long, fa4_large = cute_rows["varlen_attention"]
+    fa4_long, fa4_large, fa4_train = cute_rows["varlen_attention"]
     assert fa4_long.chosen and fa4_long.shape == "long-global"
     assert fa4_large.chosen and fa4_large.shape == "large-global"
+    assert fa4_train.shape == "train-global"
     # the record also shows FA4 losing where the shape class keeps it out: short and windowed
     recs = {(r["system"], r["workload"]): r for r in _records("cute_h200.json")}
     for wl in ("query-64k", "mid-64k", "doc-64k-window", "long-window"):
@@ -284,6 +286,39 @@ def test_two_shaped_rows_of_one_backend_and_the_large_global_class(monkeypatch):
     fn(q[:M], q[:M], q[:M], cu(2), auto.LONG_SEQLEN)  # ... among short ones (mean under M): neither
     fn(q, q, q, cu(T // M + 1), auto.LONG_SEQLEN)  # a large pack, long, but short on average: neither
     assert calls == ["fa", "tri", "tri", "tri", "fa", "tri", "tri"]
+
+
+def test_the_train_global_class_takes_global_layers_with_gradients_long_enough_on_average():
+    """FA4's training row: any pack size, a mean of TRAIN_MEAN_SEQLEN or more (T / S, host values),
+    a global layer, and a gradient to compute; inference and windowed layers never."""
+    M = auto.TRAIN_MEAN_SEQLEN
+    q = torch.zeros(4 * M, 1, 8)
+    g = q.clone().requires_grad_()
+
+    def cu(S):  # only its length is read
+        return torch.zeros(S + 1, dtype=torch.int32)
+
+    assert auto.train_global(g, g, g, cu(4), 2 * M)  # mean M exactly, 4 * M tokens: far under LARGE_PACK
+    assert not auto.train_global(g, g, g, cu(5), 2 * M)  # mean under M
+    assert not auto.train_global(g, g, g, cu(4), 2 * M, window=(64, 64))
+    assert not auto.train_global(q, q, q, cu(4), 2 * M)  # inference
+    with torch.no_grad():
+        assert not auto.train_global(g, g, g, cu(4), 2 * M)
+
+
+def test_a_candidate_row_is_measured_beside_auto(fake_cute, monkeypatch):
+    """`benchmarks.cute_common.auto_with_candidate`: auto's table with one unchosen row taken in its
+    place, every other op as auto has it; a row that is chosen already (or absent) is an error."""
+    from benchmarks.cute_common import auto_with_candidate
+
+    monkeypatch.setattr(kernels, "_usable_on_cuda", {"reference", "triton", "flash", "cute"}.__contains__)
+    monkeypatch.setattr(kernels, "choose", functools.partial(kernels.choose, usable=kernels._usable_on_cuda))
+    ops = auto_with_candidate("varlen_attention", "train-global")
+    chosen = dict(ops.chosen)
+    assert chosen["varlen_attention"] == "cute[long-global]>cute[large-global]>cute[train-global]>triton"
+    assert chosen["layer_norm"] == "triton"
+    with pytest.raises(ValueError, match="no unchosen row"):
+        auto_with_candidate("varlen_attention", "long-global")
 
 
 def test_describe_ops_names_every_op_its_choice_and_why():
