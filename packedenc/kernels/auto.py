@@ -74,6 +74,10 @@ class Row:
 # The longest alone is not enough: one long sequence among many short ones (cute_h200.json,
 # mixed-query-16k) makes FA4 several times slower on the device, FA4 paying a tile per short
 # sequence, so the class also asks for MEAN_SEQLEN on average, as the large-pack class does (below).
+# In a CUDA graph `max_seqlen` is the bucket's bound, the next power of two (cudagraphs/buckets.py),
+# so a graphed batch whose longest sequence exceeds 1024 takes this row as well; on such packs (the
+# TRAIN packs of cute_h200.json, means 253-448) FA4 wins on the device too, and in a graph the
+# device time is all there is.
 LONG_SEQLEN = 2048
 
 
@@ -119,11 +123,11 @@ def large_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor
 
 
 # The mean sequence length from which FA4 would take the global layers of a training step's packs
-# of any size (`train_global`): its backward beats the Triton kernel's on doc-like packs by more
-# than its forward does (cute_h200.json: doc-64k and the doc-like 64k packs from a mean of ~260),
-# and training batches are a few thousand to ~16k tokens, below LARGE_PACK. The row is listed
-# unmeasured (benchmarks/cute.py's TRAIN packs and the train family's `packedenc[auto,train-global]`
-# measure it); the threshold sits at the lowest doc-like 64k pack whose forward + backward FA4 wins.
+# of any size (`train_global`, a row listed and not chosen: see its why_not): its backward beats
+# the Triton kernel's on doc-like packs by more than its forward does (cute_h200.json: the doc-like
+# 64k packs from a mean of ~260, and the training-size TRAIN packs on the device), while training
+# batches are a few thousand to ~16k tokens, below LARGE_PACK. The threshold is the lowest doc-like
+# 64k pack's mean whose forward + backward FA4 wins.
 TRAIN_MEAN_SEQLEN = 256
 
 
@@ -190,9 +194,11 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
         Row("cute", Evidence("cute_h200.json", ("fwd_device_ms", "fwd_bwd_device_ms"), "packedenc[cute]",
                              "packedenc[triton]", ("doc300-64k", "doc-64k")), "large-global"),
         Row("cute", None, "train-global",
-            why_not="not measured: the backward's win on doc-like packs (cute_h200.json, 64k) has not been "
-                    "timed on training-size packs (cute family TRAIN packs) or in a training step "
-                    "(train family, packedenc[auto,train-global])"),
+            why_not="measured, not faster: on training-size packs FA4 wins on the device and loses a call "
+                    "(cute_h200.json doc-16k fwd_bwd_device_ms 0.399 vs 0.597, fwd_bwd_ms 1.087 vs 0.693: "
+                    "its host launch), so eager steps slowed (history/train_cute_h200_74b33b6.json doc 293k "
+                    "vs 346k tokens/s) and graphed ones did not move (427k vs 426k: there the long-global "
+                    "row already takes a bucketed doc batch)"),
         Row("triton", Evidence("attention_h200.json", "fwd_ms", "packedenc", "torch-flash", _RESULTS)),
         Row("flash", fallback=True),
     ),
