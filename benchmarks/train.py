@@ -23,7 +23,8 @@ dynamic padding), `disentangled-flash` (padded) and `disentangled-flash-packed` 
 installed), `packedenc+checkpoint` (per-layer recompute; only when named), `packedenc[auto,no-cute]`
 (ModernBERT, CUDA, only when named: the eager step on the table `auto` builds without the cute extra, the
 A/B of the extra's rows in training; with the extra installed, `packedenc` takes them),
-`packedenc[auto,train-global]` and `packedenc+graphs[auto,train-global]` (ModernBERT, CUDA, only
+`packedenc+graphs[auto,no-cute]` (the same, graphed), `packedenc[auto,train-global]` and
+`packedenc+graphs[auto,train-global]` (ModernBERT, CUDA, only
 when named: `auto` with FA4's unchosen training row, `auto.train_global`, taken: the measurement
 that row waits for). Probe: before any step, each
 system's per-token losses on one batch against the reference system's (same weights and masks:
@@ -83,7 +84,8 @@ def _modernbert_systems(host: Any, device: torch.device, dt: torch.dtype | None)
             ts.PackedencTrain("packedenc+checkpoint", host, device, dt, checkpoint=True),
             ts.PackedencTrain("packedenc[auto,no-cute]", host, device, dt, no_cute=True),
             ts.PackedencTrain("packedenc[auto,train-global]", host, device, dt, candidate="train-global"),
-            ts.GraphedStepTrain(host, device, dt, candidate="train-global")]
+            ts.GraphedStepTrain(host, device, dt, candidate="train-global"),
+            ts.GraphedStepTrain(host, device, dt, no_cute=True)]
 
 
 def _deberta_systems(host: Any, device: torch.device, dt: torch.dtype | None) -> list[ts.TrainSystem]:

@@ -248,9 +248,9 @@ class GraphedStepTrain(PackedencTrain):
     over the one training state. Recorded absent where packedenc has no graphed step."""
 
     def __init__(self, host_params: Any, device: torch.device, compute_dtype: torch.dtype | None,
-                 candidate: str | None = None) -> None:
-        name = "packedenc+graphs" + (f"[auto,{candidate}]" if candidate else "")
-        super().__init__(name, host_params, device, compute_dtype, candidate=candidate)
+                 candidate: str | None = None, no_cute: bool = False) -> None:
+        name = "packedenc+graphs" + (f"[auto,{candidate}]" if candidate else "[auto,no-cute]" if no_cute else "")
+        super().__init__(name, host_params, device, compute_dtype, candidate=candidate, no_cute=no_cute)
         try:
             from packedenc.cudagraphs import graphed_step  # noqa: F401 - is it there?
         except ImportError:
