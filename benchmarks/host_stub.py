@@ -18,7 +18,10 @@ global), each at the real head dim (64) but 2 heads and a 128-wide hidden size (
 work stays small; the host path does not depend on widths), 16 sequences of 20-59 tokens (an `mnli`
 batch; `query` has 128 shorter ones, the same calls). `ms` is the median of `--reps` rounds of 20
 forwards under inference_mode, after warm-up; `launches` counts the kernel launches of one forward
-that reached the stubbed launcher (0 would mean the reference ran instead). The patches are process-wide (Triton's JIT, the
+that reached the stubbed launcher (0 would mean the reference ran instead). Then the same
+ModernBERT's eager MLM training step (`make_step`, bf16 compute, AdamW) on 8 sequences of 100-599
+tokens (`modernbert-train-8seq`, the train family's `doc-b8`): forward, autograd backward and
+update, rounds of 5 steps (`_train_step` says what else it stubs). The patches are process-wide (Triton's JIT, the
 launch helpers): run it as its own process, never inside a test session.
 """
 
@@ -81,6 +84,75 @@ def _linear_add_stub(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r
     return residual if overwrite_input else torch.empty_like(residual)  # the GEMM into the residual
 
 
+class _LinearStub(torch.autograd.Function):
+    """A GEMM with gradients, stubbed: `torch.empty` of the output forward, of x / W / b backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.like = (x, w, b)
+        return torch.empty(x.shape[:-1] + (w.shape[0],), dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return tuple(None if t is None else torch.empty_like(t) for t in ctx.like)
+
+
+def _train_stub(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return _LinearStub.apply(x, w) if b is None else _LinearStub.apply(x, w, b)
+
+
+def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(one eager ModernBERT MLM training step, the patches' undo) on 8 doc-like sequences, as the
+    train family's `doc-b8` step: `make_step` with bf16 compute and AdamW over fp32 master weights.
+
+    Beyond the inference stubs: GEMMs keep their autograd (`_LinearStub`), the multi-tensor cast,
+    the gradients' norms and the fused AdamW (GPU kernels in the real step, CPU arithmetic here) are
+    no-ops, and
+    `Tensor.is_cuda` answers True, so the training ops' autograd functions take their CUDA launchers
+    rather than the CPU reference. Undone after the case. What CPU arithmetic is left (the MLM
+    decoder's small gradient GEMMs, the embedding gradient: ~2 ms on a 2-core CPU) is counted."""
+    import torch.nn.functional as F
+
+    import packedenc as pe
+    from packedenc.kernels import get_ops
+    from packedenc.models import modernbert
+    from packedenc.packing import Packed, positions_from_cu_seqlens
+    from packedenc.train import AdamW, TrainState, make_step
+    from packedenc.train.losses import mlm_loss
+
+    saved = (F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm)
+    F.linear = _train_stub
+    torch.Tensor.is_cuda = property(lambda self: True)
+    torch._foreach_copy_ = lambda *a, **k: None
+    torch._fused_adamw_ = lambda *a, **k: None
+    torch._foreach_norm = lambda ts, *a, **k: [ts[0].new_zeros(())] * len(ts)
+
+    def undo() -> None:
+        F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm = saved
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = modernbert.ModernBertConfig(intermediate_size=128, num_hidden_layers=22, hidden_size=128,
+                                      num_attention_heads=2, vocab_size=1000)
+    params = modernbert.init(cfg, g, heads=("mlm",))
+    lens = torch.randint(100, 600, (8,), generator=g)
+    cu = torch.zeros(9, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    T = int(cu[-1])
+    ids = torch.randint(5, 900, (T,), generator=g)
+    pos = torch.randperm(T, generator=g)[: T // 7].sort().values
+    batch = {"text": Packed(ids, cu, positions_from_cu_seqlens(cu, T), int(lens.max())), "pos": pos, "tgt": ids[pos]}
+    ops = get_ops("triton", "cuda")
+
+    def loss_fn(p: Any, b: dict[str, Any]) -> torch.Tensor:
+        t = b["text"]
+        h = pe.encode(p, t.ids, t.cu_seqlens, t.max_seqlen, t.positions, backend=ops)
+        return mlm_loss(p, h, b["pos"], b["tgt"], backend=ops)
+
+    step = make_step(loss_fn, AdamW(lr=1e-4), compute_dtype=torch.bfloat16)
+    state = TrainState.create(params, step.optimizer)
+    return (lambda: step.update_(state, batch)), undo
+
+
 def _cases(seed: int) -> dict[str, tuple[Callable, Any]]:
     from packedenc.models import deberta, modernbert
 
@@ -123,6 +195,25 @@ def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
                     "rounds": reps, "launches": launches, "tokens": int(cu[-1]), "sequences": 16})
         print(f"{name:18s} {out[-1]['ms']:.3f} ms a forward (min {out[-1]['min_ms']:.3f}), {launches} launches",
               flush=True)
+    run, undo = _train_step(seed)
+    try:
+        for _ in range(3):
+            run()
+        n0 = _LAUNCHES[0]
+        run()
+        launches = _LAUNCHES[0] - n0
+        rounds = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                run()
+            rounds.append((time.perf_counter() - t0) / 5 * 1e3)
+    finally:
+        undo()
+    name = "modernbert-train-8seq"
+    out.append({"system": "packedenc", "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
+                "rounds": reps, "launches": launches, "sequences": 8})
+    print(f"{name:18s} {out[-1]['ms']:.3f} ms a step (min {out[-1]['min_ms']:.3f}), {launches} launches", flush=True)
     return out
 
 

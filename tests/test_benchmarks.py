@@ -300,8 +300,9 @@ def test_tokenize_probe_checks_and_times_every_path(tmp_path):
 
 
 def test_host_stub_runs_the_eager_cuda_path_with_launches_stubbed(tmp_path):
-    """benchmarks.host_stub (its own process: it patches Triton's JIT): both cases run the Triton
-    table's eager path with no GPU, and each gets a record with its host time."""
+    """benchmarks.host_stub (its own process: it patches Triton's JIT): the inference cases and the
+    training step run the Triton table's eager path with no GPU, and each gets a record with its
+    host time."""
     import subprocess
     import sys
     from pathlib import Path
@@ -311,10 +312,12 @@ def test_host_stub_runs_the_eager_cuda_path_with_launches_stubbed(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     recs = json.loads(out.read_text())
-    assert [x["workload"] for x in recs] == ["deberta-v3-16seq", "modernbert-16seq"]
+    assert [x["workload"] for x in recs] == ["deberta-v3-16seq", "modernbert-16seq", "modernbert-train-8seq"]
     assert all(x["ms"] > 0 and x["command"].startswith("python3 -m benchmarks.host_stub") for x in recs)
-    # the Triton path ran (not the reference): 4 launches a DeBERTa layer, 4 a ModernBERT layer, plus embeddings
+    # the Triton path ran (not the reference): 4 launches a DeBERTa layer, 4 a ModernBERT layer, plus embeddings;
+    # the training step: forward, backward (dQ and dK/dV passes, norms, RoPE, GeGLU) and the MLM loss
     assert recs[0]["launches"] >= 12 * 4 and recs[1]["launches"] >= 22 * 4, recs
+    assert recs[2]["launches"] >= 22 * 12, recs
 
 
 def test_kernel_profile_classes_and_table():
