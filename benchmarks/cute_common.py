@@ -27,9 +27,8 @@ def auto_without_cute() -> Any:
     unusable): what the cute rows replace, as a system beside `auto` in one process."""
     from packedenc import kernels
 
-    chosen = tuple((op, kernels.choose(op, "auto", "cuda", lambda b: b != "cute" and kernels._usable_on_cuda(b)))
-                   for op in kernels.OP_NAMES)
-    return kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
+    return _table({op: kernels.choose(op, "auto", "cuda", lambda b: b != "cute" and kernels._usable_on_cuda(b))
+                   for op in kernels.OP_NAMES})
 
 
 def auto_with_candidate(op: str, shape: str) -> Any:
@@ -43,8 +42,15 @@ def auto_with_candidate(op: str, shape: str) -> Any:
     if not any(r.shape == shape and not r.chosen for r in rows):
         raise ValueError(f"{op} has no unchosen row of shape class {shape!r}: {[r.name for r in rows]}")
     names = [r.name for r in rows if r.chosen or r.shape == shape]
-    chosen = tuple((o, kernels.chain(o, names, kernels._usable_on_cuda) if o == op
-                    else kernels.choose(o, "auto", "cuda")) for o in kernels.OP_NAMES)
+    return _table({o: kernels.chain(o, names, kernels._usable_on_cuda) if o == op else kernels.choose(o, "auto", "cuda")
+                   for o in kernels.OP_NAMES})
+
+
+def _table(chains: dict[str, str]) -> Any:
+    """An `auto` op table from each op's implementation chain."""
+    from packedenc import kernels
+
+    chosen = tuple(chains.items())
     return kernels.Ops(backend="auto", chosen=chosen, **kernels._entries(chosen))
 
 

@@ -97,10 +97,6 @@ class _LinearStub(torch.autograd.Function):
         return tuple(None if t is None else torch.empty_like(t) for t in ctx.like)
 
 
-def _train_stub(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return _LinearStub.apply(x, w) if b is None else _LinearStub.apply(x, w, b)
-
-
 def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(one eager ModernBERT MLM training step, the patches' undo) on 8 doc-like sequences, as the
     train family's `doc-b8` step: `make_step` with bf16 compute and AdamW over fp32 master weights.
@@ -121,7 +117,7 @@ def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     from packedenc.train.losses import mlm_loss
 
     saved = (F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm)
-    F.linear = _train_stub
+    F.linear = _LinearStub.apply
     torch.Tensor.is_cuda = property(lambda self: True)
     torch._foreach_copy_ = lambda *a, **k: None
     torch._fused_adamw_ = lambda *a, **k: None
@@ -131,9 +127,7 @@ def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
         F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm = saved
 
     g = torch.Generator().manual_seed(seed)
-    cfg = modernbert.ModernBertConfig(intermediate_size=128, num_hidden_layers=22, hidden_size=128,
-                                      num_attention_heads=2, vocab_size=1000)
-    params = modernbert.init(cfg, g, heads=("mlm",))
+    params = modernbert.init(_modernbert_config(), g, heads=("mlm",))
     lens = torch.randint(100, 600, (8,), generator=g)
     cu = torch.zeros(9, dtype=torch.int32)
     cu[1:] = lens.cumsum(0)
@@ -153,14 +147,38 @@ def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     return (lambda: step.update_(state, batch)), undo
 
 
+_SMALL = dict(hidden_size=128, num_attention_heads=2, vocab_size=1000)  # the real head dim, narrow tensors
+
+
+def _modernbert_config() -> Any:
+    from packedenc.models import modernbert
+
+    return modernbert.ModernBertConfig(intermediate_size=128, num_hidden_layers=22, **_SMALL)
+
+
 def _cases(seed: int) -> dict[str, tuple[Callable, Any]]:
     from packedenc.models import deberta, modernbert
 
     g = torch.Generator().manual_seed(seed)
-    small = dict(hidden_size=128, num_attention_heads=2, vocab_size=1000)
-    deb = deberta.init(dataclasses.replace(deberta.PRESETS["v3-base"], intermediate_size=256, **small), g)
-    mb = modernbert.init(modernbert.ModernBertConfig(intermediate_size=128, num_hidden_layers=22, **small), g)
+    deb = deberta.init(dataclasses.replace(deberta.PRESETS["v3-base"], intermediate_size=256, **_SMALL), g)
+    mb = modernbert.init(_modernbert_config(), g)
     return {"deberta-v3-16seq": (deberta.encode, deb), "modernbert-16seq": (modernbert.encode, mb)}
+
+
+def _timed(fn: Callable[[], Any], warmup: int, calls: int, reps: int) -> tuple[list[float], int]:
+    """(ms a call in each of `reps` rounds of `calls` calls, launches of one call), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    n0 = _LAUNCHES[0]
+    fn()
+    launches = _LAUNCHES[0] - n0
+    rounds = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e3)
+    return rounds, launches
 
 
 def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -181,33 +199,14 @@ def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
     out = []
     for name, (encode, params) in _cases(seed).items():
         with torch.inference_mode():
-            for _ in range(5):
-                encode(params, ids, cu, int(lens.max()), backend=ops)
-            rounds, n0 = [], _LAUNCHES[0]
-            encode(params, ids, cu, int(lens.max()), backend=ops)
-            launches = _LAUNCHES[0] - n0
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    encode(params, ids, cu, int(lens.max()), backend=ops)
-                rounds.append((time.perf_counter() - t0) / 20 * 1e3)
+            rounds, launches = _timed(lambda: encode(params, ids, cu, int(lens.max()), backend=ops), 5, 20, reps)
         out.append({"system": "packedenc", "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
                     "rounds": reps, "launches": launches, "tokens": int(cu[-1]), "sequences": 16})
         print(f"{name:18s} {out[-1]['ms']:.3f} ms a forward (min {out[-1]['min_ms']:.3f}), {launches} launches",
               flush=True)
     run, undo = _train_step(seed)
     try:
-        for _ in range(3):
-            run()
-        n0 = _LAUNCHES[0]
-        run()
-        launches = _LAUNCHES[0] - n0
-        rounds = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(5):
-                run()
-            rounds.append((time.perf_counter() - t0) / 5 * 1e3)
+        rounds, launches = _timed(run, 3, 5, reps)
     finally:
         undo()
     name = "modernbert-train-8seq"

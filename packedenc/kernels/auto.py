@@ -111,9 +111,9 @@ def large_pack(x_TD: Tensor, *args: object, **kwargs: object) -> bool:
 MEAN_SEQLEN = 384
 
 
-def _long_on_average(q_THK: Tensor, cu_seqlens: Tensor) -> bool:
-    """T / S >= MEAN_SEQLEN, from the shapes alone (no device read)."""
-    return q_THK.shape[0] >= MEAN_SEQLEN * (cu_seqlens.shape[0] - 1)
+def _long_on_average(q_THK: Tensor, cu_seqlens: Tensor, mean: int = MEAN_SEQLEN) -> bool:
+    """T / S >= mean, from the shapes alone (no device read)."""
+    return q_THK.shape[0] >= mean * (cu_seqlens.shape[0] - 1)
 
 
 def large_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -135,7 +135,7 @@ def train_global(q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, cu_seqlens: Tensor
                  window: tuple[int, int] = (-1, -1), scale: float | None = None, **kwargs: object) -> bool:
     """varlen_attention of a global layer that computes gradients, over sequences TRAIN_MEAN_SEQLEN
     long on average, whatever the pack's size."""
-    return (tuple(window) == (-1, -1) and q_THK.shape[0] >= TRAIN_MEAN_SEQLEN * (cu_seqlens.shape[0] - 1)
+    return (tuple(window) == (-1, -1) and _long_on_average(q_THK, cu_seqlens, TRAIN_MEAN_SEQLEN)
             and not inference(q_THK, k_THK, v_THK))
 
 
