@@ -103,11 +103,15 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, r
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
                 blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr):
+                EVEN_K: tl.constexpr, PREC: tl.constexpr, HEAD_DIM: tl.constexpr, REDUCE: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries).
+    REDUCE (the reduce plan): also dq_i += dS_ij k_j, unscaled, into the fp32 (T, H * HEAD_DIM)
+    buffer DQA: 1 by relaxed element atomics, 2 by one TMA bulk reduction a tile through the
+    descriptor DQD over DQA (rows past T are clipped by the copy engine; rows outside every key's
+    range carry dS = 0, so adding them changes nothing)."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
@@ -137,17 +141,24 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
         p_t = tl.exp2(x_t)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q, input_precision=PREC)
+        if REDUCE == 1:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=PREC)
+            dqp = DQA + r64 * (tl.num_programs(1) * HEAD_DIM) + h * HEAD_DIM + offs_k[None, :]
+            tl.atomic_add(dqp, dq, mask=(rows < T)[:, None] & kmask[None, :], sem="relaxed")
+        elif REDUCE == 2:
+            DQD.atomic_add([i0, (h * HEAD_DIM).to(tl.int32)], tl.dot(tl.trans(ds_t), k, input_precision=PREC))
     return dk, dv
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, DQD, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                 s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                 HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
-    """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr):
+    """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows); with REDUCE,
+    their share of dq too (`_dkdv_tiles`)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 packed key rows (see `_spans`)
     in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
@@ -161,26 +172,56 @@ def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left
     v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          blk_lo, mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+                         HEAD_DIM == BLOCK_K, PREC, HEAD_DIM, REDUCE)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_lo, mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False,
-                         HEAD_DIM == BLOCK_K, PREC)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+                         HEAD_DIM == BLOCK_K, PREC, HEAD_DIM, REDUCE)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_hi, blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC)
+                         HEAD_DIM == BLOCK_K, PREC, HEAD_DIM, REDUCE)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
     tl.store(DV + c64 * s_dv_t + h * s_dv_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=mask2)
 
 
+@triton.jit
+def _delta_block(O, DO, DELTA, DQA, pid, h, T, s_o_t, s_o_h, s_do_t, s_do_h, HEAD_DIM: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The reduce plan's preprocess: delta = rowsum(dO * O) of BLOCK_M rows, and their zeroed dq
+    accumulator rows (DQA: (T, H * HEAD_DIM) fp32)."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_t = rows < T
+    r64 = rows.to(tl.int64)[:, None]
+    mask2 = in_t[:, None] & (offs_k < HEAD_DIM)[None, :]
+    do = tl.load(DO + r64 * s_do_t + h * s_do_h + offs_k[None, :], mask=mask2, other=0.0)
+    o = tl.load(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], mask=mask2, other=0.0)
+    tl.store(DELTA + h * T + rows, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=in_t)
+    tl.store(DQA + r64 * (tl.num_programs(1) * HEAD_DIM) + h * HEAD_DIM + offs_k[None, :],
+             tl.zeros([BLOCK_M, BLOCK_K], tl.float32), mask=mask2)
+
+
+@triton.jit
+def _dq_cast_block(DQA, DQ, pid, h, T, sm_scale, s_dq_t, s_dq_h, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """The reduce plan's epilogue: dq = scale * the fp32 accumulator, in the gradient's dtype."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    r64 = rows.to(tl.int64)[:, None]
+    mask2 = (rows < T)[:, None] & (offs_k < HEAD_DIM)[None, :]
+    acc = tl.load(DQA + r64 * (tl.num_programs(1) * HEAD_DIM) + h * HEAD_DIM + offs_k[None, :], mask=mask2, other=0.0)
+    tl.store(DQ + r64 * s_dq_t + h * s_dq_h + offs_k[None, :], (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask2)
+
+
 @triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
 def _bwd_kernel(
     Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
     LSE,  # (H, T) fp32: the forward's log2-sum-exp2
-    DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0, read by PASS 1
+    DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0 / 2, read by PASS 1
+    DQA, DQD,  # the reduce plan: (T, H * K) fp32 dq accumulator, and a TMA descriptor over it (or None)
     DG, o_dq, o_dk, o_dv,  # out: the one gradient buffer, dq / dk / dv at these element offsets in it
     CU, T, S, n_steps, left, right,  # as in the forward
     qk_scale, sm_scale,  # scale * log2(e), scale
@@ -189,7 +230,8 @@ def _bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
+    PASS: tl.constexpr,  # split plan: 0 dq (and delta), 1 dk, dv; reduce plan: 2 delta, 1 with REDUCE, 3 dq cast
+    REDUCE: tl.constexpr = 0,  # PASS 1 also adds dq into DQA: 1 by element atomics, 2 by TMA (`_dkdv_tiles`)
 ):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h = tl.program_id(1).to(tl.int64)
@@ -198,17 +240,21 @@ def _bwd_kernel(
         _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
                   HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
-    else:
-        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
-                    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
+    elif PASS == 1:
+        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, DQA, DQD, CU, pid, h, T, S, n_steps, left, right,
+                    qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
                     s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, REDUCE)
+    elif PASS == 2:
+        _delta_block(O, DO, DELTA, DQA, pid, h, T, s_o_t, s_o_h, s_do_t, s_do_h, HEAD_DIM, BLOCK_K, OWN)
+    else:
+        _dq_cast_block(DQA, DG + o_dq, pid, h, T, sm_scale, s_dq_t, s_dq_h, HEAD_DIM, BLOCK_K, OWN)
 
 
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    fused_qkv: bool = False, *, tiles=None,
+    fused_qkv: bool = False, *, tiles=None, reduce: int = 0,
 ) -> Tensor:
     """Launch the backward: dq, dk, dv in one tensor of q's dtype, (3, T, H, K), or with
     `fused_qkv` (T, 3, H, K) (the gradient of a fused qkv buffer).
@@ -219,6 +265,9 @@ def attention_bwd(
     past a buffer's end and faulted in the compiled ModernBERT backward).
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
     `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
+    `reduce`: 0 the split plan; 1 / 2 the reduce plan (delta, then one dK/dV pass that also adds
+    dq into an fp32 buffer by element atomics / TMA bulk reductions, then dq cast; the dQ tile
+    sets the preprocess and cast blocks' rows only).
     """
     T, H, Kd = q_THK.shape
     slot = 1 if fused_qkv else 0
@@ -237,8 +286,25 @@ def attention_bwd(
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
-    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
+    if not reduce:
+        launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, delta, None, g, *offsets, *common,
+               OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
+        launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, delta, None, g, *offsets, *common,
+               OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
+        return g
+    dqa = torch.empty((T, H * Kd), dtype=torch.float32, device=q_THK.device)
+    desc = _dq_descriptor(dqa, km, meta["BLOCK_K"]) if reduce == 2 else None
+    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dqa, None, g, *offsets, *common,
+           OWN=qm, INNER=qn, PASS=2, num_warps=4, num_stages=1, **meta)
+    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, dqa, desc, g, *offsets, *common,
+           OWN=kn, INNER=km, PASS=1, REDUCE=reduce, num_warps=kw, num_stages=ks, **meta)
+    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dqa, None, g, *offsets, *common,
+           OWN=qm, INNER=qn, PASS=3, num_warps=4, num_stages=1, **meta)
     return g
+
+
+def _dq_descriptor(dqa: Tensor, rows: int, block_k: int):
+    """A TMA descriptor over the (T, H * K) fp32 dq accumulator, (rows, block_k) boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(dqa, list(dqa.shape), [dqa.shape[1], 1], [rows, block_k])
