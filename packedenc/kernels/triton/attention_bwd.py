@@ -220,8 +220,7 @@ def _dq_cast_block(DQA, DQ, pid, h, T, sm_scale, s_dq_t, s_dq_h, HEAD_DIM: tl.co
 def _bwd_kernel(
     Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
     LSE,  # (H, T) fp32: the forward's log2-sum-exp2
-    DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0 / 2, read by PASS 1
-    DQA, DQD,  # the reduce plan: (T, H * K) fp32 dq accumulator, and a TMA descriptor over it (or None)
+    DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0, read by PASS 1
     DG, o_dq, o_dk, o_dv,  # out: the one gradient buffer, dq / dk / dv at these element offsets in it
     CU, T, S, n_steps, left, right,  # as in the forward
     qk_scale, sm_scale,  # scale * log2(e), scale
@@ -230,9 +229,9 @@ def _bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-    PASS: tl.constexpr,  # split plan: 0 dq (and delta), 1 dk, dv; reduce plan: 2 delta, 1 with REDUCE, 3 dq cast
-    REDUCE: tl.constexpr = 0,  # PASS 1 also adds dq into DQA: 1 by element atomics, 2 by TMA (`_dkdv_tiles`)
+    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
 ):
+    """The split plan."""
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
@@ -240,13 +239,37 @@ def _bwd_kernel(
         _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
                   HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
+    else:
+        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, DELTA, None, CU, pid, h, T, S, n_steps, left, right,
+                    qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
+                    s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, 0)
+
+
+@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
+def _bwd_reduce_kernel(
+    Q, K, V, O, DO, LSE, DELTA,  # as in `_bwd_kernel`; DELTA written by PASS 0, read by PASS 1
+    DQA, DQD,  # (T, H * K) fp32 dq accumulator, and a TMA descriptor over it (or None: element atomics)
+    DG, o_dq, o_dk, o_dv,
+    CU, T, S, n_steps, left, right, qk_scale, sm_scale,
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
+    s_dq_t, s_dq_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, OWN: tl.constexpr, INNER: tl.constexpr,
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
+    PASS: tl.constexpr,  # 0: delta, dq accumulator zeroed; 1: dk, dv and dq added; 2: dq cast
+    REDUCE: tl.constexpr,  # 1: element atomics, 2: TMA bulk reductions (`_dkdv_tiles`)
+):
+    """The reduce plan."""
+    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
+    h = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0)
+    if PASS == 0:
+        _delta_block(O, DO, DELTA, DQA, pid, h, T, s_o_t, s_o_h, s_do_t, s_do_h, HEAD_DIM, BLOCK_K, OWN)
     elif PASS == 1:
         _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, DQA, DQD, CU, pid, h, T, S, n_steps, left, right,
                     qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
                     s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                     HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, REDUCE)
-    elif PASS == 2:
-        _delta_block(O, DO, DELTA, DQA, pid, h, T, s_o_t, s_o_h, s_do_t, s_do_h, HEAD_DIM, BLOCK_K, OWN)
     else:
         _dq_cast_block(DQA, DG + o_dq, pid, h, T, sm_scale, s_dq_t, s_dq_h, HEAD_DIM, BLOCK_K, OWN)
 
@@ -287,19 +310,16 @@ def attention_bwd(
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
     if not reduce:
-        launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, delta, None, g, *offsets, *common,
+        launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, g, *offsets, *common,
                OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
-        launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, delta, None, g, *offsets, *common,
+        launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
                OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
         return g
     dqa = torch.empty((T, H * Kd), dtype=torch.float32, device=q_THK.device)
     desc = _dq_descriptor(dqa, km, meta["BLOCK_K"]) if reduce == 2 else None
-    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dqa, None, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=2, num_warps=4, num_stages=1, **meta)
-    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, dqa, desc, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, REDUCE=reduce, num_warps=kw, num_stages=ks, **meta)
-    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, dqa, None, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=3, num_warps=4, num_stages=1, **meta)
+    for p, grid, w, st in ((0, cdiv(T, qm), 4, 1), (1, cdiv(T, kn), kw, ks), (2, cdiv(T, qm), 4, 1)):
+        launch(_bwd_reduce_kernel, (grid, H), *args, delta, dqa, desc, g, *offsets, *common,
+               OWN=kn if p == 1 else qm, INNER=km, PASS=p, REDUCE=reduce, num_warps=w, num_stages=st, **meta)
     return g
 
 
