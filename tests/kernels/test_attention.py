@@ -32,11 +32,11 @@ def _inputs(lengths, H, K, dtype, device=DEVICE, n=4):
     return [torch.randn(T, H, K).to(device, dtype) for _ in range(n)]
 
 
-def _kernels(q, k, v, do, cu, L, window, scale=None, tile=TINY, bwd=TINY_BWD, fused_qkv=False, reduce=0):
-    """(out, dq, dk, dv) from the launchers (`reduce`: the backward's plan, `attention_bwd`)."""
+def _kernels(q, k, v, do, cu, L, window, scale=None, tile=TINY, bwd=TINY_BWD, fused_qkv=False):
+    """(out, dq, dk, dv) from the launchers."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True, tile=tile)
-    g = attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, fused_qkv, tiles=bwd, reduce=reduce)
+    g = attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, fused_qkv, tiles=bwd)
     return (out, *g.unbind(1 if fused_qkv else 0))
 
 
@@ -267,43 +267,7 @@ def test_triton_graph_attention_folds_the_bias_and_returns_one_gradient(bias):
         OP.graph_attention(*qkv.unbind(1), cu, cu, 9, 9)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [(-1, -1), (2, 2), (3, 0)])
-@pytest.mark.parametrize("lengths", [MIXED, LONG_CPU])
-def test_the_reduce_plan_by_atomics(dtype, window, lengths):
-    """The one-pass plan (dq added into an fp32 buffer by the dK/dV pass), its arithmetic: element
-    atomics here, as the interpreter has no TMA reductions (the GPU tests run those)."""
-    _check(lengths, 2, 16, dtype, window, atol=1e-3, reduce=1)
-
-
-def test_the_reduce_plan_with_an_odd_head_dim_and_wide_blocks():
-    _check(MIXED, 3, 24, torch.float32, (2, 2), scale=0.3, reduce=1)
-    tile = (32, 16, 2, 1)
-    _check(MIXED, 2, 16, torch.float32, (-1, -1), reduce=1, tile=tile, bwd=(tile, tile))
-
-
 # ---- GPU -------------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("reduce", [1, 2])
-@pytest.mark.parametrize("window", [(-1, -1), (64, 64)])
-@pytest.mark.parametrize("dtype,H,K", [(torch.bfloat16, 12, 64), (torch.bfloat16, 4, 32), (torch.bfloat16, 4, 128),
-                                       (torch.float16, 12, 64)])
-def test_gpu_reduce_plan_2x_rule_and_isolation(reduce, window, dtype, H, K):
-    """The reduce plan by element atomics (1) and TMA bulk reductions (2): every tile the sweep
-    tries, the 2x rule, and isolation (its dq sums vary in the last bits between runs)."""
-    for tiles in (None, ((64, 64, 4, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 32, 4, 2))):
-        (q, k, v, do, cu, L), got = _check(GPU_LENGTHS, H, K, dtype, window, atol=1e-3, tile=None, bwd=tiles,
-                                           reduce=reduce)
-    other = other_rows(GPU_LENGTHS, 7)
-    k2, v2 = k.clone(), v.clone()
-    k2[other] *= 100
-    v2[other] *= 100
-    moved = _kernels(q, k2, v2, do, cu, L, window, tile=None, bwd=tiles, reduce=reduce)
-    for a, b in zip(got, moved):
-        torch.testing.assert_close(a[~other], b[~other], atol=1e-2, rtol=1e-2)
-        assert not torch.equal(a[other], b[other])
 
 
 @pytest.mark.gpu

@@ -143,15 +143,7 @@ def _arg_key(args: tuple) -> tuple:
     One comprehension and a dict of ints' entries: this runs on every launch of an eager batch."""
     return tuple([(_INT_KEYS.get(a) or _int_key(a)) if type(a) is int
                   else (a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor)
-                  else float if type(a) is float
-                  else _descriptor_key(a) if hasattr(a, "block_shape") else (type(a), a) for a in args])
-
-
-def _descriptor_key(d: Any) -> tuple:
-    """A host TMA descriptor's entry: its base as a tensor's, its box and padding, and its shape
-    and strides as ints' (the values themselves go to the launcher, which builds the descriptor)."""
-    return (type(d), d.base.dtype, not d.base.data_ptr() & 15, tuple(d.block_shape), d.padding,
-            tuple(_int_key(int(x)) for x in (*d.shape, *d.strides)))
+                  else float if type(a) is float else (type(a), a) for a in args])
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:

@@ -19,7 +19,9 @@ One kernel, `_bwd_kernel`, launched twice:
   dk = scale * sum_i dS_ij q_i.
 P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
 The atomic-dQ plan (FA2's: no dQ pass, dq added by atomics from the dK/dV pass, 5 GEMMs per tile
-pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json).
+pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json),
+and so did the same plan with dq added by one TMA bulk reduction a tile, FA3's way
+(benchmarks/results/history/attention_plans_h100_d5bd132.json).
 A one-pass plan (both blocks per program, each query tile's delta recomputed from O: one launch,
 no dependency between passes) also measured slower on every workload
 (benchmarks/results/history/attention_h200_b4119ba.json).
@@ -103,15 +105,11 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, r
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
                 blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr, HEAD_DIM: tl.constexpr, REDUCE: tl.constexpr):
+                EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries).
-    REDUCE (the reduce plan): also dq_i += dS_ij k_j, unscaled, into the fp32 (T, H * HEAD_DIM)
-    buffer DQA: 1 by relaxed element atomics, 2 by one TMA bulk reduction a tile through the
-    descriptor DQD over DQA (rows past T are clipped by the copy engine; rows outside every key's
-    range carry dS = 0, so adding them changes nothing)."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
@@ -141,24 +139,17 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s
         p_t = tl.exp2(x_t)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q, input_precision=PREC)
-        if REDUCE == 1:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=PREC)
-            dqp = DQA + r64 * (tl.num_programs(1) * HEAD_DIM) + h * HEAD_DIM + offs_k[None, :]
-            tl.atomic_add(dqp, dq, mask=(rows < T)[:, None] & kmask[None, :], sem="relaxed")
-        elif REDUCE == 2:
-            DQD.atomic_add([i0, (h * HEAD_DIM).to(tl.int32)], tl.dot(tl.trans(ds_t), k, input_precision=PREC))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, DQD, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                 s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                 HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr):
-    """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows); with REDUCE,
-    their share of dq too (`_dkdv_tiles`)."""
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 packed key rows (see `_spans`)
     in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
@@ -172,48 +163,19 @@ def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, DQD, CU, pid, h, T, S, n_s
     v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          blk_lo, mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC, HEAD_DIM, REDUCE)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+                         HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_lo, mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False,
-                         HEAD_DIM == BLOCK_K, PREC, HEAD_DIM, REDUCE)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, DQA, DQD, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+                         HEAD_DIM == BLOCK_K, PREC)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_hi, blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC, HEAD_DIM, REDUCE)
+                         HEAD_DIM == BLOCK_K, PREC)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
     tl.store(DV + c64 * s_dv_t + h * s_dv_h + offs_k[None, :], dv.to(DV.dtype.element_ty), mask=mask2)
-
-
-@triton.jit
-def _delta_block(O, DO, DELTA, DQA, pid, h, T, s_o_t, s_o_h, s_do_t, s_do_h, HEAD_DIM: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The reduce plan's preprocess: delta = rowsum(dO * O) of BLOCK_M rows, and their zeroed dq
-    accumulator rows (DQA: (T, H * HEAD_DIM) fp32)."""
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    in_t = rows < T
-    r64 = rows.to(tl.int64)[:, None]
-    mask2 = in_t[:, None] & (offs_k < HEAD_DIM)[None, :]
-    do = tl.load(DO + r64 * s_do_t + h * s_do_h + offs_k[None, :], mask=mask2, other=0.0)
-    o = tl.load(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], mask=mask2, other=0.0)
-    tl.store(DELTA + h * T + rows, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=in_t)
-    tl.store(DQA + r64 * (tl.num_programs(1) * HEAD_DIM) + h * HEAD_DIM + offs_k[None, :],
-             tl.zeros([BLOCK_M, BLOCK_K], tl.float32), mask=mask2)
-
-
-@triton.jit
-def _dq_cast_block(DQA, DQ, pid, h, T, sm_scale, s_dq_t, s_dq_h, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    """The reduce plan's epilogue: dq = scale * the fp32 accumulator, in the gradient's dtype."""
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    r64 = rows.to(tl.int64)[:, None]
-    mask2 = (rows < T)[:, None] & (offs_k < HEAD_DIM)[None, :]
-    acc = tl.load(DQA + r64 * (tl.num_programs(1) * HEAD_DIM) + h * HEAD_DIM + offs_k[None, :], mask=mask2, other=0.0)
-    tl.store(DQ + r64 * s_dq_t + h * s_dq_h + offs_k[None, :], (acc * sm_scale).to(DQ.dtype.element_ty), mask=mask2)
 
 
 @triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
@@ -231,7 +193,6 @@ def _bwd_kernel(
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
     PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
 ):
-    """The split plan."""
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
@@ -240,44 +201,16 @@ def _bwd_kernel(
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
                   HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
     else:
-        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, DELTA, None, CU, pid, h, T, S, n_steps, left, right,
-                    qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
+        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
                     s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, 0)
-
-
-@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
-def _bwd_reduce_kernel(
-    Q, K, V, O, DO, LSE, DELTA,  # as in `_bwd_kernel`; DELTA written by PASS 0, read by PASS 1
-    DQA, DQD,  # (T, H * K) fp32 dq accumulator, and a TMA descriptor over it (or None: element atomics)
-    DG, o_dq, o_dk, o_dv,
-    CU, T, S, n_steps, left, right, qk_scale, sm_scale,
-    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
-    s_dq_t, s_dq_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, OWN: tl.constexpr, INNER: tl.constexpr,
-    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-    PASS: tl.constexpr,  # 0: delta, dq accumulator zeroed; 1: dk, dv and dq added; 2: dq cast
-    REDUCE: tl.constexpr,  # 1: element atomics, 2: TMA bulk reductions (`_dkdv_tiles`)
-):
-    """The reduce plan."""
-    qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)
-    h = tl.program_id(1).to(tl.int64)
-    pid = tl.program_id(0)
-    if PASS == 0:
-        _delta_block(O, DO, DELTA, DQA, pid, h, T, s_o_t, s_o_h, s_do_t, s_do_h, HEAD_DIM, BLOCK_K, OWN)
-    elif PASS == 1:
-        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, DQA, DQD, CU, pid, h, T, S, n_steps, left, right,
-                    qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
-                    s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, REDUCE)
-    else:
-        _dq_cast_block(DQA, DG + o_dq, pid, h, T, sm_scale, s_dq_t, s_dq_h, HEAD_DIM, BLOCK_K, OWN)
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
 
 
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    fused_qkv: bool = False, *, tiles=None, reduce: int = 0,
+    fused_qkv: bool = False, *, tiles=None,
 ) -> Tensor:
     """Launch the backward: dq, dk, dv in one tensor of q's dtype, (3, T, H, K), or with
     `fused_qkv` (T, 3, H, K) (the gradient of a fused qkv buffer).
@@ -288,9 +221,6 @@ def attention_bwd(
     past a buffer's end and faulted in the compiled ModernBERT backward).
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
     `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
-    `reduce`: 0 the split plan; 1 / 2 the reduce plan (delta, then one dK/dV pass that also adds
-    dq into an fp32 buffer by element atomics / TMA bulk reductions, then dq cast; the dQ tile
-    sets the preprocess and cast blocks' rows only).
     """
     T, H, Kd = q_THK.shape
     slot = 1 if fused_qkv else 0
@@ -309,22 +239,8 @@ def attention_bwd(
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    if not reduce:
-        launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, g, *offsets, *common,
-               OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
-        launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
-               OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
-        return g
-    dqa = torch.empty((T, H * Kd), dtype=torch.float32, device=q_THK.device)
-    desc = _dq_descriptor(dqa, km, meta["BLOCK_K"]) if reduce == 2 else None
-    for p, grid, w, st in ((0, cdiv(T, qm), 4, 1), (1, cdiv(T, kn), kw, ks), (2, cdiv(T, qm), 4, 1)):
-        launch(_bwd_reduce_kernel, (grid, H), *args, delta, dqa, desc, g, *offsets, *common,
-               OWN=kn if p == 1 else qm, INNER=km, PASS=p, REDUCE=reduce, num_warps=w, num_stages=st, **meta)
+    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, g, *offsets, *common,
+           OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
+    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
+           OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
     return g
-
-
-def _dq_descriptor(dqa: Tensor, rows: int, block_k: int):
-    """A TMA descriptor over the (T, H * K) fp32 dq accumulator, (rows, block_k) boxes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(dqa, list(dqa.shape), [dqa.shape[1], 1], [rows, block_k])
