@@ -163,6 +163,18 @@ def _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, b
     return acc, l_i, m_i
 
 
+@triton.jit
+def _program(HEAD_MAJOR: tl.constexpr):
+    """(head as int64, row block) of this program: grid (blocks, H), or (H, blocks) when HEAD_MAJOR."""
+    if HEAD_MAJOR:
+        return tl.program_id(0).to(tl.int64), tl.program_id(1)
+    return tl.program_id(1).to(tl.int64), tl.program_id(0)
+
+
+def grid(blocks: int, H: int, head_major: bool) -> tuple[int, int]:
+    return (H, blocks) if head_major else (blocks, H)
+
+
 @triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
 def _fwd_kernel(
     Q, K, V,  # (T, H, K) views, head dim contiguous (slices of a fused qkv buffer are fine)
@@ -181,10 +193,11 @@ def _fwd_kernel(
     STORE_LSE: tl.constexpr,
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
     ROPE: tl.constexpr = False,  # rotate q and k (split-half RoPE) as they are read: inference only
+    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side
 ):
     qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
-    h = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids
+    h, blk = _program(HEAD_MAJOR)
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids
     in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
         CU, rows, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -317,6 +330,7 @@ def attention_fwd(
     tile: tuple[int, int, int, int] | None = None,
     rope: tuple[Tensor, Tensor, Tensor, float] | None = None,
     out: Tensor | None = None,
+    head_major: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
@@ -340,11 +354,12 @@ def attention_fwd(
             lse2.zero_()
         return o.zero_(), lse2
     BM, BN, warps, stages = tile or tiles(T, max_seqlen, window, Kd)
-    launch(_fwd_kernel, (cdiv(T, BM), H),
+    launch(_fwd_kernel, grid(cdiv(T, BM), H, head_major),
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],
         *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)),  # unused without RoPE
-        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, num_warps=warps, num_stages=stages, **meta,
+        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major,
+        num_warps=warps, num_stages=stages, **meta,
     )
     return o, lse2

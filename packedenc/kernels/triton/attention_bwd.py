@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels.triton._common import cdiv, launch
-from packedenc.kernels.triton.attention import _spans, bwd_tiles, launch_args
+from packedenc.kernels.triton.attention import _program, _spans, bwd_tiles, grid, launch_args
 
 __all__ = ["attention_bwd"]
 
@@ -192,10 +192,10 @@ def _bwd_kernel(
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
     PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
+    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side
 ):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
-    h = tl.program_id(1).to(tl.int64)
-    pid = tl.program_id(0)
+    h, pid = _program(HEAD_MAJOR)
     if PASS == 0:
         _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
@@ -210,7 +210,7 @@ def _bwd_kernel(
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    fused_qkv: bool = False, *, tiles=None,
+    fused_qkv: bool = False, *, tiles=None, head_major: bool = False,
 ) -> Tensor:
     """Launch the backward: dq, dk, dv in one tensor of q's dtype, (3, T, H, K), or with
     `fused_qkv` (T, 3, H, K) (the gradient of a fused qkv buffer).
@@ -239,8 +239,8 @@ def attention_bwd(
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    launch(_bwd_kernel, (cdiv(T, qm), H), *args, delta, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=0, num_warps=qw, num_stages=qs, **meta)
-    launch(_bwd_kernel, (cdiv(T, kn), H), *args, delta, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, num_warps=kw, num_stages=ks, **meta)
+    launch(_bwd_kernel, grid(cdiv(T, qm), H, head_major), *args, delta, g, *offsets, *common,
+           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=head_major, num_warps=qw, num_stages=qs, **meta)
+    launch(_bwd_kernel, grid(cdiv(T, kn), H, head_major), *args, delta, g, *offsets, *common,
+           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=head_major, num_warps=kw, num_stages=ks, **meta)
     return g

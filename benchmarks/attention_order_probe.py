@@ -1,0 +1,80 @@
+"""Does the attention kernels' program order matter? Blocks fastest (grid (blocks, H), today) vs heads
+fastest (grid (H, blocks): the H programs of one row block run side by side, so the rows they read,
+H * K * 2 bytes apart per head, are read whole at about the same time).
+
+    PYTHONPATH=. python -m benchmarks.attention_order_probe --out DIR     # H100 / H200: ~1 min
+
+bf16, H=12, K=64, the attention family's workloads; each pass (forward without LSE, the backward's
+two passes together) at its default tile, timed in both orders alternately (four rounds each,
+CUDA events around 10 queued calls: device time, host ahead), after a bitwise check that both
+orders give the same output and gradients. Writes DIR/attention_order_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import attention as AB
+from benchmarks import common
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args(argv)
+    from packedenc.kernels.triton import attention as A
+    from packedenc.kernels.triton.attention_bwd import attention_bwd
+
+    gpu = torch.cuda.get_device_name()
+    meta = {"gpu": gpu, "commit": AB.commit(), "torch": torch.__version__,
+            "command": " ".join(["python -m benchmarks.attention_order_probe", *(argv if argv is not None else sys.argv[1:])])}
+    print(f"# {meta['command']} on {gpu}, commit {meta['commit']}", flush=True)
+    rows = []
+    names = [f"{w}{s}" for w in AB.WORKLOADS for s in ("", "-window")]
+    for wl in names:
+        lens = AB.lengths(wl.removesuffix("-window"))
+        window = AB.WINDOW if wl.endswith("-window") else (-1, -1)
+        T, cu, L = sum(lens), AB._cu(lens), max(lens)
+        q, k, v, do = (torch.randn(T, AB.H, AB.K, device="cuda").to(AB.BF16) for _ in range(4))
+        scale = AB.K**-0.5
+        o, lse = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True)
+        same = True
+        for hm in (False, True):
+            o2, l2 = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True, head_major=hm)
+            g = attention_bwd(do, q, k, v, o, lse, cu, L, window, scale, head_major=hm)
+            if hm:
+                same = bool(torch.equal(o2, o_ref) and torch.equal(l2, l_ref) and torch.equal(g, g_ref))
+            else:
+                o_ref, l_ref, g_ref = o2, l2, g
+        fns = {
+            "fwd": lambda hm: A.attention_fwd(q, k, v, cu, L, window, scale, lse=False, head_major=hm),
+            "bwd": lambda hm: attention_bwd(do, q, k, v, o, lse, cu, L, window, scale, head_major=hm),
+        }
+        for p, fn in fns.items():
+            ms = {False: [], True: []}
+            for _ in range(a.rounds):
+                for hm in (False, True):
+                    ms[hm].append(common.median_ms(lambda: fn(hm), reps=7, warmup=2, calls=10))
+            rec = {"workload": wl, "pass": p, "tokens": T, "sequences": len(lens), "bitwise_same": same,
+                   "blocks_fastest_ms": statistics.median(ms[False]), "heads_fastest_ms": statistics.median(ms[True]),
+                   "rounds_blocks_fastest": ms[False], "rounds_heads_fastest": ms[True], **meta}
+            rows.append(rec)
+            print(f"{wl:18s} {p:4s} blocks-fastest {rec['blocks_fastest_ms']:7.3f}  heads-fastest "
+                  f"{rec['heads_fastest_ms']:7.3f} ms  ({rec['heads_fastest_ms'] / rec['blocks_fastest_ms']:.3f}x)"
+                  f"  same={same}", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia ", "", gpu.lower())).strip("-")
+    (out / f"attention_order_{tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
