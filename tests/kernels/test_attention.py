@@ -202,6 +202,20 @@ def test_bad_inputs_are_refused_with_the_argument_named():
         OP.attention(q, None, None, cu, 6)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (2, 2)])
+def test_both_program_orders_compute_the_same_bits(window):
+    """Heads fastest (the default) and blocks fastest run the same programs in another order."""
+    q, k, v, do = _inputs(MIXED, 3, 16, torch.float16)
+    cu, L, scale = cu_seqlens(MIXED), max(MIXED), 0.25
+    runs = []
+    for hm in (True, False):
+        out, lse = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True, tile=TINY, head_major=hm)
+        runs.append((out, lse, attention_bwd(do, q, k, v, out, lse, cu, L, window, scale, tiles=TINY_BWD, head_major=hm)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert A.grid(4, 12) == ((12, 4), True) and A.grid(4, 12, head_major=False) == ((4, 12), False)
+    assert A.grid(A.MAX_GRID_Y + 1, 12) == ((A.MAX_GRID_Y + 1, 12), False)  # CUDA's grid-y limit
+
+
 def test_tiles_come_from_host_values():
     assert A.tiles(81_000, 2048, (64, 64), 64) == A.TILE_WINDOW[0]
     assert A.tiles(3_600, 128, (-1, -1), 64) == A.TILE_SHORT[0]

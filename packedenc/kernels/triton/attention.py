@@ -171,8 +171,18 @@ def _program(HEAD_MAJOR: tl.constexpr):
     return tl.program_id(1).to(tl.int64), tl.program_id(0)
 
 
-def grid(blocks: int, H: int, head_major: bool) -> tuple[int, int]:
-    return (H, blocks) if head_major else (blocks, H)
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def grid(blocks: int, H: int, head_major: bool = True) -> tuple[tuple[int, int], bool]:
+    """(launch grid, HEAD_MAJOR) for `blocks` row blocks of H heads. Heads fastest by default: a row
+    block's H programs then run side by side and read the block's rows (H * K elements apart per
+    head) at about the same time; measured faster or even on every workload, forward and backward
+    (`benchmarks.attention_order_probe`, records in benchmarks/results/history). Blocks fastest
+    when the blocks would pass CUDA's limit on the grid's second dimension."""
+    if head_major and blocks <= MAX_GRID_Y:
+        return (H, blocks), True
+    return (blocks, H), False
 
 
 @triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
@@ -193,7 +203,7 @@ def _fwd_kernel(
     STORE_LSE: tl.constexpr,
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
     ROPE: tl.constexpr = False,  # rotate q and k (split-half RoPE) as they are read: inference only
-    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side
+    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side (`grid`)
 ):
     qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
     h, blk = _program(HEAD_MAJOR)
@@ -330,7 +340,7 @@ def attention_fwd(
     tile: tuple[int, int, int, int] | None = None,
     rope: tuple[Tensor, Tensor, Tensor, float] | None = None,
     out: Tensor | None = None,
-    head_major: bool = False,
+    head_major: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Launch the forward (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
@@ -344,6 +354,7 @@ def attention_fwd(
     reads them, so this pays off on short sequences). `out`: a (T, H, K) tensor of q's dtype with
     a contiguous head dim to write into instead of a new one; q itself may be passed (a program
     reads its own query rows once, before it writes them, and no program reads another's).
+    `head_major=False` runs the blocks fastest (`grid`; the order probe compares the two).
     """
     T, H, Kd = q_THK.shape
     o = torch.empty((T, H, Kd), dtype=q_THK.dtype, device=q_THK.device) if out is None else out
@@ -354,7 +365,8 @@ def attention_fwd(
             lse2.zero_()
         return o.zero_(), lse2
     BM, BN, warps, stages = tile or tiles(T, max_seqlen, window, Kd)
-    launch(_fwd_kernel, grid(cdiv(T, BM), H, head_major),
+    launch_grid, head_major = grid(cdiv(T, BM), H, head_major)
+    launch(_fwd_kernel, launch_grid,
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],

@@ -192,7 +192,7 @@ def _bwd_kernel(
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
     PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
-    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side
+    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side (`attention.grid`)
 ):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h, pid = _program(HEAD_MAJOR)
@@ -210,7 +210,7 @@ def _bwd_kernel(
 def attention_bwd(
     do_THK: Tensor, q_THK: Tensor, k_THK: Tensor, v_THK: Tensor, o_THK: Tensor, lse2_HT: Tensor,
     cu_seqlens: Tensor, max_seqlen: int, window: tuple[int, int], scale: float,
-    fused_qkv: bool = False, *, tiles=None, head_major: bool = False,
+    fused_qkv: bool = False, *, tiles=None, head_major: bool = True,
 ) -> Tensor:
     """Launch the backward: dq, dk, dv in one tensor of q's dtype, (3, T, H, K), or with
     `fused_qkv` (T, 3, H, K) (the gradient of a fused qkv buffer).
@@ -220,7 +220,8 @@ def attention_bwd(
     of one base passed as separate outputs come back as clones that inductor mis-sizes (it read
     past a buffer's end and faulted in the compiled ModernBERT backward).
     `do_THK` may have any strides (gradients of `.sum()` arrive expanded). `tiles` overrides
-    `bwd_tiles(...)`: (dQ tile, dK/dV tile). Inputs are checked by the caller, as for the forward.
+    `bwd_tiles(...)`: (dQ tile, dK/dV tile); `head_major` as for the forward. Inputs are checked
+    by the caller, as for the forward.
     """
     T, H, Kd = q_THK.shape
     slot = 1 if fused_qkv else 0
@@ -239,8 +240,9 @@ def attention_bwd(
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
     (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    launch(_bwd_kernel, grid(cdiv(T, qm), H, head_major), *args, delta, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=head_major, num_warps=qw, num_stages=qs, **meta)
-    launch(_bwd_kernel, grid(cdiv(T, kn), H, head_major), *args, delta, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=head_major, num_warps=kw, num_stages=ks, **meta)
+    (dq_grid, dq_hm), (dkv_grid, dkv_hm) = grid(cdiv(T, qm), H, head_major), grid(cdiv(T, kn), H, head_major)
+    launch(_bwd_kernel, dq_grid, *args, delta, g, *offsets, *common,
+           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, num_warps=qw, num_stages=qs, **meta)
+    launch(_bwd_kernel, dkv_grid, *args, delta, g, *offsets, *common,
+           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, num_warps=kw, num_stages=ks, **meta)
     return g
