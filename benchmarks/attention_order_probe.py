@@ -1,6 +1,6 @@
-"""Does the attention kernels' program order matter? Blocks fastest (grid (blocks, H), today) vs heads
-fastest (grid (H, blocks): the H programs of one row block run side by side, so the rows they read,
-H * K * 2 bytes apart per head, are read whole at about the same time).
+"""Does the attention kernels' program order matter? Heads fastest (grid (H, blocks), the default:
+the H programs of one row block run side by side, so the rows they read, one head's K elements
+each, are fetched together) vs blocks fastest (grid (blocks, H)).
 
     PYTHONPATH=. python -m benchmarks.attention_order_probe --out DIR     # H100 / H200: ~1 min
 

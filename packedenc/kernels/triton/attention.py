@@ -21,6 +21,8 @@ of *consecutive packed rows*, whatever sequence they belong to (`_spans`):
   - tiles that cross some row's bound are masked per row, which also keeps sequences apart (a row
     never mixes in a key of another sequence, for any tiling); tiles inside every row's range (the
     interior of a long sequence, the middle tile of a window) skip the compares.
+  - the programs run heads fastest (`grid`): the H programs of one row block are neighbours in
+    launch order, so the rows they read, one head's K elements each, are fetched together.
 Attention inside a sequence is symmetric: key j is seen by the queries
 [max(start, j - right), min(end, j + left + 1)) (the window mirrored), so the dK/dV pass runs the
 same `_spans` over key-row blocks with left and right swapped.
