@@ -38,6 +38,7 @@ shift, so exp2 gives exact zeros rather than NaN.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -47,21 +48,25 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 
-__all__ = ["attention_fwd", "tiles", "bwd_tiles", "LOG2E", "MAX_HEAD_DIM"]
+__all__ = ["attention_fwd", "tiles", "bwd_tiles", "Aligned", "LOG2E", "MAX_HEAD_DIM"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _spans(CU, rows, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.constexpr,
+def _spans(CU, rows, T, s_lo, s_hi, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.constexpr,
            BLOCK: tl.constexpr, BLOCK_IN: tl.constexpr):
     """What each of the BLOCK packed `rows` a program owns sees on the other side.
 
     Row r of sequence [start, end) sees [a_r, b_r) = [max(start, r - lo_w), min(end, r + hi_w + 1))
-    (bounds applied only when LO_W / HI_W). Return (in_t: row < T, valid: row < cu[S], a, b,
-    blk_lo, mid_lo, mid_hi, blk_hi): the block loops over [blk_lo, blk_hi) in BLOCK_IN tiles from
-    blk_lo; those in [mid_lo, mid_hi) lie inside every valid row's range (no per-element mask).
+    (bounds applied only when LO_W / HI_W). Rows at or past T are not the program's (T is the
+    pack's size, or the end of the rows a sequence-aligned program owns, `_aligned_rows`); the
+    sequences of the others lie in [s_lo, s_hi) (0 and S, or the aligned program's), found in
+    n_steps >= ceil(log2(s_hi - s_lo)) binary-search steps. Return (in_t: row < T, valid: also
+    row < cu[S], a, b, blk_lo, mid_lo, mid_hi, blk_hi): the block loops over [blk_lo, blk_hi) in
+    BLOCK_IN tiles from blk_lo; those in [mid_lo, mid_hi) lie inside every valid row's range (no
+    per-element mask).
     The caller forms `rows` (pid * BLOCK + arange) and addresses its stores with it: torch.compile's
     analysis of which arguments a kernel writes runs before Triton inlines, takes a call's results
     as depending on all its arguments, and would count CU as written were the rows returned here.
@@ -69,8 +74,8 @@ def _spans(CU, rows, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.con
     in_t = rows < T
     r = tl.minimum(rows, T - 1)
     # The largest s with cu[s] <= r (invariant cu[lo] <= r < cu[hi]; empty sequences are skipped).
-    lo = tl.zeros([BLOCK], tl.int32)
-    hi = tl.zeros([BLOCK], tl.int32) + S
+    lo = tl.zeros([BLOCK], tl.int32) + s_lo
+    hi = tl.zeros([BLOCK], tl.int32) + s_hi
     for _ in range(n_steps):
         mid = (lo + hi) >> 1
         go = tl.load(CU + mid) <= r
@@ -211,7 +216,7 @@ def _fwd_kernel(
     h, blk = _program(HEAD_MAJOR)
     rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids
     in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, rows, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+        CU, rows, T, 0, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -262,6 +267,22 @@ TILE_MID = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T < 32k: 
 TILE_LONG = ((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T >= 32k, lengths 256..8k
 SHORT_SEQLEN = 128
 LONG_T = 32768
+
+
+class Aligned(NamedTuple):
+    """The backward as one launch of sequence-aligned programs (`attention_bwd`'s PASS 2): program
+    b owns the whole sequences that start in rows [b, b + 1) * starts and runs both passes over
+    them, own-row blocks looping over inner-row tiles. Only for short sequences: a program's
+    rows are at most starts - 1 + max_seqlen, and its work grows with their square."""
+
+    starts: int
+    own: int
+    inner: int
+    warps: int
+    stages: int
+
+
+ALIGNED_SHORT = Aligned(64, 64, 32, 4, 2)
 
 
 @functools.lru_cache(maxsize=64)  # host time: called on every launch
