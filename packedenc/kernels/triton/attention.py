@@ -192,31 +192,17 @@ def grid(blocks: int, H: int, head_major: bool = True) -> tuple[tuple[int, int],
     return (blocks, H), False
 
 
-@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
-def _fwd_kernel(
-    Q, K, V,  # (T, H, K) views, head dim contiguous (slices of a fused qkv buffer are fine)
-    O,  # (T, H, K) out
-    LSE,  # (H, T) fp32 out: log2-sum-exp2 of the scaled scores of each row (STORE_LSE)
-    CU,  # (S + 1,) int32 cu_seqlens
-    T, S, n_steps,  # tokens, sequences, binary-search steps (>= ceil(log2 S))
-    left, right,  # window; read only when WINDOW_L / WINDOW_R
-    qk_scale,  # scale * log2(e), > 0
-    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h,  # strides in elements
-    POS, INV_FREQ, CS, P, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies,
-    # (P, 2, BLOCK_K) fp32 cos / signed sin table of positions < P, HF's attention_scaling
-    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
-    ROPE: tl.constexpr = False,  # rotate q and k (split-half RoPE) as they are read: inference only
-    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side (`grid`)
-):
-    qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
-    h, blk = _program(HEAD_MAJOR)
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids
+@triton.jit
+def _fwd_rows(Q, K, V, O, LSE, CU, r0, limit, h, T, s_lo, s_hi, n_steps, left, right, qk_scale,
+              s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, POS, INV_FREQ, CS, P, scaling,
+              HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
+              ROPE: tl.constexpr):
+    """The output (and LSE2) of the BLOCK_M rows from r0 below `limit` (sequences in [s_lo, s_hi):
+    `_spans`)."""
+    rows = r0 + tl.arange(0, BLOCK_M)  # int32 packed row ids
     in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, rows, T, 0, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+        CU, rows, limit, s_lo, s_hi, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -253,6 +239,60 @@ def _fwd_kernel(
         tl.store(LSE + h * T + rows, tl.where(valid, m_i + tl.log2(l_safe), 0.0), mask=in_t)
 
 
+
+
+@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
+def _fwd_kernel(
+    Q, K, V,  # (T, H, K) views, head dim contiguous (slices of a fused qkv buffer are fine)
+    O,  # (T, H, K) out
+    LSE,  # (H, T) fp32 out: log2-sum-exp2 of the scaled scores of each row (STORE_LSE)
+    CU,  # (S + 1,) int32 cu_seqlens
+    T, S, n_steps,  # tokens, sequences, binary-search steps (>= ceil(log2 S))
+    left, right,  # window; read only when WINDOW_L / WINDOW_R
+    qk_scale,  # scale * log2(e), > 0
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h,  # strides in elements
+    POS, INV_FREQ, CS, P, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies,
+    # (P, 2, BLOCK_K) fp32 cos / signed sin table of positions < P, HF's attention_scaling
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
+    ROPE: tl.constexpr,  # rotate q and k (split-half RoPE) as they are read: inference only
+    HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`grid`)
+    STARTS: tl.constexpr,  # > 0: sequence-aligned programs (`Aligned`), as the backward's PASS 2
+):
+    qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
+    h, blk = _program(HEAD_MAJOR)
+    if STARTS == 0:
+        _fwd_rows(Q, K, V, O, LSE, CU, blk * BLOCK_M, T, h, T, 0, S, n_steps, left, right, qk_scale,
+                  s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, POS, INV_FREQ, CS, P, scaling,
+                  HEAD_DIM, BLOCK_K, BLOCK_M, BLOCK_N, WINDOW_L, WINDOW_R, STORE_LSE, PREC, ROPE)
+    else:
+        # the rows of the whole sequences that start in this program's STARTS rows, searched
+        # here: see `_spans` on torch.compile (attention_bwd's PASS 2 says more)
+        x = blk * STARTS + tl.arange(0, 2) * STARTS
+        lo = tl.zeros([2], tl.int32)
+        hi = tl.zeros([2], tl.int32) + S + 1
+        for _ in range(n_steps + 2):  # the first s in [0, S] with cu[s] >= x (S + 1: none)
+            active = lo < hi
+            mid = (lo + hi) >> 1
+            c = tl.load(CU + tl.minimum(mid, S))
+            lo = tl.where(active & (c < x), mid + 1, lo)
+            hi = tl.where(active & (c >= x), mid, hi)
+        row = tl.where(lo <= S, tl.load(CU + tl.minimum(lo, S)), T)
+        row = tl.where(x >= T, T, row)
+        first = tl.arange(0, 2) == 0
+        row0, row1 = tl.sum(tl.where(first, row, 0), 0), tl.sum(tl.where(first, 0, row), 0)
+        s_lo = tl.minimum(tl.sum(tl.where(first, lo, 0), 0), S)
+        s_hi = tl.minimum(tl.sum(tl.where(first, 0, lo), 0), S)
+        steps = tl.ceil(tl.log2((s_hi - s_lo + 1).to(tl.float32))).to(tl.int32)
+        for r0 in range(row0, row1, BLOCK_M):
+            _fwd_rows(Q, K, V, O, LSE, CU, r0, row1, h, T, s_lo, s_hi, steps, left, right, qk_scale,
+                  s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, POS, INV_FREQ, CS, P, scaling,
+                  HEAD_DIM, BLOCK_K, BLOCK_M, BLOCK_N, WINDOW_L, WINDOW_R, STORE_LSE, PREC, ROPE)
+
+
 # ---- tiles ---------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), from host values only; each row is (forward, dQ,
@@ -270,10 +310,10 @@ LONG_T = 32768
 
 
 class Aligned(NamedTuple):
-    """The backward as one launch of sequence-aligned programs (`attention_bwd`'s PASS 2): program
-    b owns the whole sequences that start in rows [b, b + 1) * starts and runs both passes over
-    them, own-row blocks looping over inner-row tiles. Only for short sequences: a program's
-    rows are at most starts - 1 + max_seqlen, and its work grows with their square."""
+    """Sequence-aligned programs: program b owns the whole sequences that start in rows
+    [b, b + 1) * starts, in blocks of `own` rows from the first of them, looping over `inner`-row
+    tiles; the backward runs both passes in one launch (`attention_bwd`'s PASS 2). Only for short
+    sequences: a program's rows are at most starts - 1 + max_seqlen, its work serial over them."""
 
     starts: int
     own: int
@@ -387,14 +427,19 @@ def attention_fwd(
         if lse2 is not None:
             lse2.zero_()
         return o.zero_(), lse2
-    BM, BN, warps, stages = tile or tiles(T, max_seqlen, window, Kd)
-    launch_grid, head_major = grid(cdiv(T, BM), H, head_major)
+    plan = tile or tiles(T, max_seqlen, window, Kd)
+    if isinstance(plan, Aligned):
+        starts, BM, BN, warps, stages = plan
+        launch_grid, head_major = grid(cdiv(T, starts), H, head_major)
+    else:
+        starts, (BM, BN, warps, stages) = 0, plan
+        launch_grid, head_major = grid(cdiv(T, BM), H, head_major)
     launch(_fwd_kernel, launch_grid,
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],
         *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)),  # unused without RoPE
-        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major,
+        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major, STARTS=starts,
         num_warps=warps, num_stages=stages, **meta,
     )
     return o, lse2

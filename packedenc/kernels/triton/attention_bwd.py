@@ -17,6 +17,12 @@ One kernel, `_bwd_kernel`, launched twice:
   so delta is written): key j is seen by the queries [max(start, j - right), min(end, j + left + 1))
   (the window mirrored: `_spans` with left and right swapped); dv = sum_i P_ij dO_i,
   dk = scale * sum_i dS_ij q_i.
+- PASS 2 (`Aligned` plans, short sequences): one launch in which program b owns the whole
+  sequences that start in rows [b, b + 1) * STARTS and runs PASS 0 then PASS 1 over their rows
+  (own-row blocks from the first of them, a CTA barrier between). No sequence is split between
+  programs, so every tile a program touches holds only its rows: no tile straddles into a
+  neighbour's sequence, each program's binary searches run over its few sequences, and there is
+  one launch instead of two. Its work is serial over a sequence's blocks, hence short packs only.
 P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
 The atomic-dQ plan (FA2's: no dQ pass, dq added by atomics from the dK/dV pass, 5 GEMMs per tile
 pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json),
@@ -206,8 +212,8 @@ def _bwd_kernel(
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
     PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read); 2: both, sequence-aligned
-    HEAD_MAJOR: tl.constexpr = False,  # grid (H, blocks): a block's heads run side by side (`attention.grid`)
-    STARTS: tl.constexpr = 0,  # PASS 2: program b owns the sequences starting in rows [b, b + 1) * STARTS
+    HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`attention.grid`)
+    STARTS: tl.constexpr,  # PASS 2: program b owns the sequences starting in rows [b, b + 1) * STARTS
 ):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h, pid = _program(HEAD_MAJOR)
@@ -293,7 +299,7 @@ def attention_bwd(
     (qm, qn, qw, qs), (kn, km, kw, ks) = plan
     (dq_grid, dq_hm), (dkv_grid, dkv_hm) = grid(cdiv(T, qm), H, head_major), grid(cdiv(T, kn), H, head_major)
     launch(_bwd_kernel, dq_grid, *args, delta, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, num_warps=qw, num_stages=qs, **meta)
+           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, STARTS=0, num_warps=qw, num_stages=qs, **meta)
     launch(_bwd_kernel, dkv_grid, *args, delta, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, num_warps=kw, num_stages=ks, **meta)
+           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, STARTS=0, num_warps=kw, num_stages=ks, **meta)
     return g
