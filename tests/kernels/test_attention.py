@@ -112,43 +112,6 @@ def test_owned_blocks_wider_than_the_inner_tiles(dtype, window):
     _check(MIXED, 2, 16, dtype, window, atol=1e-3, tile=tile, bwd=(tile, tile))
 
 
-# The sequence-aligned backward (one launch, both passes): program starts 16 rows apart over 16-row
-# blocks and tiles, so programs own 0 to several sequences and loop over several own blocks.
-ALIGNED_TINY = A.Aligned(16, 16, 16, 4, 1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [(-1, -1), (2, 2), (3, 0), (-1, 1)])
-@pytest.mark.parametrize("lengths", [MIXED, LONG_CPU, (4, 0, 7, 1, 0, 0, 16, 16, 1)],
-                         ids=["mixed", "long", "empty-and-aligned"])
-def test_the_sequence_aligned_plans(dtype, window, lengths):
-    """The output and every gradient as the reference's (the 2x rule at fp16) and as the token-block
-    plans' on the same tiles (within rounding: a block's tiles start at other rows)."""
-    (q, k, v, do, cu, L), got = _check(lengths, 2, 16, dtype, window, atol=1e-3, tile=ALIGNED_TINY,
-                                       bwd=ALIGNED_TINY)
-    split = _kernels(q, k, v, do, cu, L, window)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, split):
-        torch.testing.assert_close(a, b, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=0, msg=name)
-
-
-def test_the_sequence_aligned_plans_zero_rows_past_the_last_sequence():
-    """Rows past cu[S] (a pack shorter than its buffer) get zero gradients, written by the program
-    holding the last start; a program whose start rows hold no start owns nothing."""
-    lengths = (5, 30, 2)
-    q, k, v, do = _inputs(lengths + (9,), 2, 16, torch.float32)  # 9 rows no sequence holds
-    cu, L = cu_seqlens(lengths), max(lengths)
-    scale = 16 ** -0.5
-    out, lse = A.attention_fwd(q, k, v, cu, L, (-1, -1), scale, lse=True, tile=ALIGNED_TINY)
-    g = attention_bwd(do, q, k, v, out, lse, cu, L, (-1, -1), scale, tiles=ALIGNED_TINY)
-    assert torch.equal(g[:, 37:], torch.zeros_like(g[:, 37:]))
-    assert torch.equal(out[37:], torch.zeros_like(out[37:])) and torch.equal(lse[:, 37:], torch.zeros_like(lse[:, 37:]))
-    torch.testing.assert_close(out[:37], reference.varlen_attention(q[:37], k[:37], v[:37], cu, L, (-1, -1), scale),
-                               atol=2e-5, rtol=1e-4)
-    want = reference_bwd.varlen_attention_bwd(do[:37], q[:37], k[:37], v[:37], cu, (-1, -1), scale)
-    for a, b in zip(g[:, :37], want):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
-
-
 def test_odd_head_dim_and_a_custom_scale():
     _check(MIXED, 3, 24, torch.float32, (2, 2), scale=0.3)  # 24: a masked head-dim tail of the 32 tile
 
@@ -350,19 +313,6 @@ _TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 
 def test_gpu_every_tile(tile, bwd, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3  # query-like, blocks straddle many sequences
     _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=tile, bwd=(bwd, bwd))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("plan", [A.ALIGNED_SHORT, A.Aligned(32, 32, 32, 4, 1), A.Aligned(128, 64, 64, 4, 2)])
-@pytest.mark.parametrize("window", [(-1, -1), (64, 64), (0, 64)])
-@pytest.mark.parametrize("K", [32, 64, 128])
-def test_gpu_sequence_aligned_plans(plan, window, K):
-    """The aligned plan at bf16 (2x rule), deterministic, on query-like packs with sequences up to
-    300 tokens (programs owning several blocks) and a pack longer than its sequences."""
-    lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300, 0, 64, 64) * 3
-    (q, k, v, do, cu, L), got = _check(lengths, 4, K, torch.bfloat16, window, atol=1e-3, tile=plan, bwd=plan)
-    again = _kernels(q, k, v, do, cu, L, window, tile=plan, bwd=plan)
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 @pytest.mark.gpu

@@ -38,7 +38,6 @@ shift, so exp2 gives exact zeros rather than NaN.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -48,25 +47,21 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 
-__all__ = ["attention_fwd", "tiles", "bwd_tiles", "Aligned", "LOG2E", "MAX_HEAD_DIM"]
+__all__ = ["attention_fwd", "tiles", "bwd_tiles", "LOG2E", "MAX_HEAD_DIM"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _spans(CU, rows, T, s_lo, s_hi, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.constexpr,
+def _spans(CU, rows, T, S, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_W: tl.constexpr,
            BLOCK: tl.constexpr, BLOCK_IN: tl.constexpr):
     """What each of the BLOCK packed `rows` a program owns sees on the other side.
 
     Row r of sequence [start, end) sees [a_r, b_r) = [max(start, r - lo_w), min(end, r + hi_w + 1))
-    (bounds applied only when LO_W / HI_W). Rows at or past T are not the program's (T is the
-    pack's size, or the end of the rows a sequence-aligned program owns, `_aligned_rows`); the
-    sequences of the others lie in [s_lo, s_hi) (0 and S, or the aligned program's), found in
-    n_steps >= ceil(log2(s_hi - s_lo)) binary-search steps. Return (in_t: row < T, valid: also
-    row < cu[S], a, b, blk_lo, mid_lo, mid_hi, blk_hi): the block loops over [blk_lo, blk_hi) in
-    BLOCK_IN tiles from blk_lo; those in [mid_lo, mid_hi) lie inside every valid row's range (no
-    per-element mask).
+    (bounds applied only when LO_W / HI_W). Return (in_t: row < T, valid: row < cu[S], a, b,
+    blk_lo, mid_lo, mid_hi, blk_hi): the block loops over [blk_lo, blk_hi) in BLOCK_IN tiles from
+    blk_lo; those in [mid_lo, mid_hi) lie inside every valid row's range (no per-element mask).
     The caller forms `rows` (pid * BLOCK + arange) and addresses its stores with it: torch.compile's
     analysis of which arguments a kernel writes runs before Triton inlines, takes a call's results
     as depending on all its arguments, and would count CU as written were the rows returned here.
@@ -74,8 +69,8 @@ def _spans(CU, rows, T, s_lo, s_hi, n_steps, lo_w, hi_w, LO_W: tl.constexpr, HI_
     in_t = rows < T
     r = tl.minimum(rows, T - 1)
     # The largest s with cu[s] <= r (invariant cu[lo] <= r < cu[hi]; empty sequences are skipped).
-    lo = tl.zeros([BLOCK], tl.int32) + s_lo
-    hi = tl.zeros([BLOCK], tl.int32) + s_hi
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + S
     for _ in range(n_steps):
         mid = (lo + hi) >> 1
         go = tl.load(CU + mid) <= r
@@ -192,17 +187,31 @@ def grid(blocks: int, H: int, head_major: bool = True) -> tuple[tuple[int, int],
     return (blocks, H), False
 
 
-@triton.jit
-def _fwd_rows(Q, K, V, O, LSE, CU, r0, limit, h, T, s_lo, s_hi, n_steps, left, right, qk_scale,
-              s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, POS, INV_FREQ, CS, P, scaling,
-              HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
-              ROPE: tl.constexpr):
-    """The output (and LSE2) of the BLOCK_M rows from r0 below `limit` (sequences in [s_lo, s_hi):
-    `_spans`)."""
-    rows = r0 + tl.arange(0, BLOCK_M)  # int32 packed row ids
+@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
+def _fwd_kernel(
+    Q, K, V,  # (T, H, K) views, head dim contiguous (slices of a fused qkv buffer are fine)
+    O,  # (T, H, K) out
+    LSE,  # (H, T) fp32 out: log2-sum-exp2 of the scaled scores of each row (STORE_LSE)
+    CU,  # (S + 1,) int32 cu_seqlens
+    T, S, n_steps,  # tokens, sequences, binary-search steps (>= ceil(log2 S))
+    left, right,  # window; read only when WINDOW_L / WINDOW_R
+    qk_scale,  # scale * log2(e), > 0
+    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h,  # strides in elements
+    POS, INV_FREQ, CS, P, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies,
+    # (P, 2, BLOCK_K) fp32 cos / signed sin table of positions < P, HF's attention_scaling
+    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
+    ROPE: tl.constexpr,  # rotate q and k (split-half RoPE) as they are read: inference only
+    HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`grid`)
+):
+    qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
+    h, blk = _program(HEAD_MAJOR)
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids
     in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, rows, limit, s_lo, s_hi, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+        CU, rows, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -239,60 +248,6 @@ def _fwd_rows(Q, K, V, O, LSE, CU, r0, limit, h, T, s_lo, s_hi, n_steps, left, r
         tl.store(LSE + h * T + rows, tl.where(valid, m_i + tl.log2(l_safe), 0.0), mask=in_t)
 
 
-
-
-@triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
-def _fwd_kernel(
-    Q, K, V,  # (T, H, K) views, head dim contiguous (slices of a fused qkv buffer are fine)
-    O,  # (T, H, K) out
-    LSE,  # (H, T) fp32 out: log2-sum-exp2 of the scaled scores of each row (STORE_LSE)
-    CU,  # (S + 1,) int32 cu_seqlens
-    T, S, n_steps,  # tokens, sequences, binary-search steps (>= ceil(log2 S))
-    left, right,  # window; read only when WINDOW_L / WINDOW_R
-    qk_scale,  # scale * log2(e), > 0
-    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h,  # strides in elements
-    POS, INV_FREQ, CS, P, scaling,  # ROPE: (T,) int positions, (K/2,) fp32 inverse frequencies,
-    # (P, 2, BLOCK_K) fp32 cos / signed sin table of positions < P, HF's attention_scaling
-    HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
-    ROPE: tl.constexpr,  # rotate q and k (split-half RoPE) as they are read: inference only
-    HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`grid`)
-    STARTS: tl.constexpr,  # > 0: sequence-aligned programs (`Aligned`), as the backward's PASS 2
-):
-    qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
-    h, blk = _program(HEAD_MAJOR)
-    if STARTS == 0:
-        _fwd_rows(Q, K, V, O, LSE, CU, blk * BLOCK_M, T, h, T, 0, S, n_steps, left, right, qk_scale,
-                  s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, POS, INV_FREQ, CS, P, scaling,
-                  HEAD_DIM, BLOCK_K, BLOCK_M, BLOCK_N, WINDOW_L, WINDOW_R, STORE_LSE, PREC, ROPE)
-    else:
-        # the rows of the whole sequences that start in this program's STARTS rows, searched
-        # here: see `_spans` on torch.compile (attention_bwd's PASS 2 says more)
-        x = blk * STARTS + tl.arange(0, 2) * STARTS
-        lo = tl.zeros([2], tl.int32)
-        hi = tl.zeros([2], tl.int32) + S + 1
-        for _ in range(n_steps + 2):  # the first s in [0, S] with cu[s] >= x (S + 1: none)
-            active = lo < hi
-            mid = (lo + hi) >> 1
-            c = tl.load(CU + tl.minimum(mid, S))
-            lo = tl.where(active & (c < x), mid + 1, lo)
-            hi = tl.where(active & (c >= x), mid, hi)
-        row = tl.where(lo <= S, tl.load(CU + tl.minimum(lo, S)), T)
-        row = tl.where(x >= T, T, row)
-        first = tl.arange(0, 2) == 0
-        row0, row1 = tl.sum(tl.where(first, row, 0), 0), tl.sum(tl.where(first, 0, row), 0)
-        s_lo = tl.minimum(tl.sum(tl.where(first, lo, 0), 0), S)
-        s_hi = tl.minimum(tl.sum(tl.where(first, 0, lo), 0), S)
-        steps = tl.ceil(tl.log2((s_hi - s_lo + 1).to(tl.float32))).to(tl.int32)
-        for r0 in range(row0, row1, BLOCK_M):
-            _fwd_rows(Q, K, V, O, LSE, CU, r0, row1, h, T, s_lo, s_hi, steps, left, right, qk_scale,
-                  s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, POS, INV_FREQ, CS, P, scaling,
-                  HEAD_DIM, BLOCK_K, BLOCK_M, BLOCK_N, WINDOW_L, WINDOW_R, STORE_LSE, PREC, ROPE)
-
-
 # ---- tiles ---------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), from host values only; each row is (forward, dQ,
@@ -307,22 +262,6 @@ TILE_MID = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T < 32k: 
 TILE_LONG = ((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T >= 32k, lengths 256..8k
 SHORT_SEQLEN = 128
 LONG_T = 32768
-
-
-class Aligned(NamedTuple):
-    """Sequence-aligned programs: program b owns the whole sequences that start in rows
-    [b, b + 1) * starts, in blocks of `own` rows from the first of them, looping over `inner`-row
-    tiles; the backward runs both passes in one launch (`attention_bwd`'s PASS 2). Only for short
-    sequences: a program's rows are at most starts - 1 + max_seqlen, its work serial over them."""
-
-    starts: int
-    own: int
-    inner: int
-    warps: int
-    stages: int
-
-
-ALIGNED_SHORT = Aligned(64, 64, 32, 4, 2)
 
 
 @functools.lru_cache(maxsize=64)  # host time: called on every launch
@@ -427,19 +366,14 @@ def attention_fwd(
         if lse2 is not None:
             lse2.zero_()
         return o.zero_(), lse2
-    plan = tile or tiles(T, max_seqlen, window, Kd)
-    if isinstance(plan, Aligned):
-        starts, BM, BN, warps, stages = plan
-        launch_grid, head_major = grid(cdiv(T, starts), H, head_major)
-    else:
-        starts, (BM, BN, warps, stages) = 0, plan
-        launch_grid, head_major = grid(cdiv(T, BM), H, head_major)
+    BM, BN, warps, stages = tile or tiles(T, max_seqlen, window, Kd)
+    launch_grid, head_major = grid(cdiv(T, BM), H, head_major)
     launch(_fwd_kernel, launch_grid,
         q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
         T, S, n_steps, left, right, qk_scale,
         *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],
         *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)),  # unused without RoPE
-        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major, STARTS=starts,
+        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major,
         num_warps=warps, num_stages=stages, **meta,
     )
     return o, lse2

@@ -17,12 +17,6 @@ One kernel, `_bwd_kernel`, launched twice:
   so delta is written): key j is seen by the queries [max(start, j - right), min(end, j + left + 1))
   (the window mirrored: `_spans` with left and right swapped); dv = sum_i P_ij dO_i,
   dk = scale * sum_i dS_ij q_i.
-- PASS 2 (`Aligned` plans, short sequences): one launch in which program b owns the whole
-  sequences that start in rows [b, b + 1) * STARTS and runs PASS 0 then PASS 1 over their rows
-  (own-row blocks from the first of them, a CTA barrier between). No sequence is split between
-  programs, so every tile a program touches holds only its rows: no tile straddles into a
-  neighbour's sequence, each program's binary searches run over its few sequences, and there is
-  one launch instead of two. Its work is serial over a sequence's blocks, hence short packs only.
 P and dS are rounded to the input dtype before their products (as FA2); accumulation is fp32.
 The atomic-dQ plan (FA2's: no dQ pass, dq added by atomics from the dK/dV pass, 5 GEMMs per tile
 pair instead of 7) measured slower on every workload (benchmarks/results/attention_sweep_h200.json),
@@ -41,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels.triton._common import cdiv, launch
-from packedenc.kernels.triton.attention import Aligned, _program, _spans, bwd_tiles, grid, launch_args
+from packedenc.kernels.triton.attention import _program, _spans, bwd_tiles, grid, launch_args
 
 __all__ = ["attention_bwd"]
 
@@ -79,15 +73,15 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, 
 
 
 @triton.jit
-def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, r0, limit, h, T, s_lo, s_hi, n_steps, left, right, qk_scale, sm_scale,
+def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
               s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
               HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
-    """dq of the BLOCK_M query rows from r0 (those below `limit`, whose sequences lie in
-    [s_lo, s_hi): `_spans`); their delta = rowsum(dO * O), stored (H, T) for the dK/dV pass."""
-    rows = r0 + tl.arange(0, BLOCK_M)  # int32 packed row ids (see `_spans`)
+    """dq of the BLOCK_M query rows of block `pid`; their delta = rowsum(dO * O), stored (H, T)
+    for the dK/dV pass."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids (see `_spans`)
     in_t, valid, kl, kh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, rows, limit, s_lo, s_hi, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
+        CU, rows, T, S, n_steps, left, right, WINDOW_L, WINDOW_R, BLOCK_M, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -111,25 +105,11 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, r0, limit, h, T, s_lo, s_hi, n
 
 
 @triton.jit
-def _load_delta(ptrs, mask, MASKED: tl.constexpr, FRESH: tl.constexpr):
-    """delta rows; FRESH (written by this program before a CTA barrier) read through L2 only: L1
-    is not coherent, and another program on the SM may have left a stale line of these rows."""
-    if MASKED:
-        if FRESH:
-            return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        return tl.load(ptrs, mask=mask, other=0.0)
-    if FRESH:
-        return tl.load(ptrs, cache_modifier=".cg")
-    return tl.load(ptrs)
-
-
-@triton.jit
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
                 blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr):
+                EVEN_K: tl.constexpr, PREC: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries). FRESH: delta was
-    written by this program (the aligned plan), so it is read past L1 (`_load_delta`)."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
@@ -141,7 +121,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
             q = tl.load(qp, mask=rmask, other=0.0)
             do = tl.load(dop, mask=rmask, other=0.0)
             lse = tl.load(LSE + h * T + rows, mask=rm, other=0.0)
-            delta = _load_delta(DELTA + h * T + rows, rm, True, FRESH)
+            delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
         else:
             if EVEN_K:
                 q = tl.load(qp)
@@ -150,7 +130,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
                 q = tl.load(qp, mask=kmask[None, :], other=0.0)
                 do = tl.load(dop, mask=kmask[None, :], other=0.0)
             lse = tl.load(LSE + h * T + rows)
-            delta = _load_delta(DELTA + h * T + rows, None, False, FRESH)
+            delta = tl.load(DELTA + h * T + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
         x_t = s_t * qk_scale - lse[None, :]
         if MASKED:
@@ -165,15 +145,15 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, r0, limit, h, T, s_lo, s_hi, n_steps, left, right, qk_scale, sm_scale,
+def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                 s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                 HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, FRESH: tl.constexpr):
-    """dk, dv of the BLOCK_N key rows from r0 below `limit` (query tiles of BLOCK_M rows)."""
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
-    cols = r0 + tl.arange(0, BLOCK_N)  # int32 packed key rows (see `_spans`)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 packed key rows (see `_spans`)
     in_t, valid, ql, qh, blk_lo, mid_lo, mid_hi, blk_hi = _spans(
-        CU, cols, limit, s_lo, s_hi, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
+        CU, cols, T, S, n_steps, right, left, WINDOW_R, WINDOW_L, BLOCK_N, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     kmask = offs_k < HEAD_DIM
@@ -185,13 +165,13 @@ def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, r0, limit, h, T, s_lo, s_hi
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          blk_lo, mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC, FRESH)
+                         HEAD_DIM == BLOCK_K, PREC)
     dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_lo, mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False,
-                         HEAD_DIM == BLOCK_K, PREC, FRESH)
+                         HEAD_DIM == BLOCK_K, PREC)
     dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_hi, blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC, FRESH)
+                         HEAD_DIM == BLOCK_K, PREC)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
@@ -211,51 +191,20 @@ def _bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
     OWN: tl.constexpr, INNER: tl.constexpr,  # rows a program owns, rows of the tiles it loops over
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
-    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read); 2: both, sequence-aligned
+    PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
     HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`attention.grid`)
-    STARTS: tl.constexpr,  # PASS 2: program b owns the sequences starting in rows [b, b + 1) * STARTS
 ):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h, pid = _program(HEAD_MAJOR)
     if PASS == 0:
-        _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid * OWN, T, h, T, 0, S, n_steps, left, right,
-                  qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
-                  s_dq_t, s_dq_h, HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
-    elif PASS == 1:
-        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid * OWN, T, h, T, 0, S, n_steps, left, right,
-                    qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
-                    s_dk_t, s_dk_h, s_dv_t, s_dv_h, HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, False)
+        _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                  s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
+                  HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
     else:
-        # The rows [row0, row1) of the whole sequences [s_lo, s_hi) that start in this program's
-        # STARTS rows (the program holding the last start also owns any rows past cu[S]): a
-        # partition of the pack in which no sequence is split, so every row's keys and every key's
-        # queries are this program's own rows. Searched here, not in a helper: see `_spans` on
-        # torch.compile and values returned from calls.
-        x = pid * STARTS + tl.arange(0, 2) * STARTS
-        lo = tl.zeros([2], tl.int32)
-        hi = tl.zeros([2], tl.int32) + S + 1
-        for _ in range(n_steps + 2):  # the first s in [0, S] with cu[s] >= x (S + 1: none)
-            active = lo < hi
-            mid = (lo + hi) >> 1
-            c = tl.load(CU + tl.minimum(mid, S))
-            lo = tl.where(active & (c < x), mid + 1, lo)
-            hi = tl.where(active & (c >= x), mid, hi)
-        row = tl.where(lo <= S, tl.load(CU + tl.minimum(lo, S)), T)
-        row = tl.where(x >= T, T, row)
-        first = tl.arange(0, 2) == 0
-        row0, row1 = tl.sum(tl.where(first, row, 0), 0), tl.sum(tl.where(first, 0, row), 0)
-        s_lo = tl.minimum(tl.sum(tl.where(first, lo, 0), 0), S)
-        s_hi = tl.minimum(tl.sum(tl.where(first, 0, lo), 0), S)
-        steps = tl.ceil(tl.log2((s_hi - s_lo + 1).to(tl.float32))).to(tl.int32)  # >= ceil(log2(s_hi - s_lo))
-        for r0 in range(row0, row1, OWN):
-            _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, r0, row1, h, T, s_lo, s_hi, steps, left, right,
-                      qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h,
-                      s_dq_t, s_dq_h, HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
-        tl.debug_barrier()  # this program's delta rows, stored above, are read below
-        for r0 in range(row0, row1, OWN):
-            _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, r0, row1, h, T, s_lo, s_hi, steps,
-                        left, right, qk_scale, sm_scale, s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
-                        s_dk_t, s_dk_h, s_dv_t, s_dv_h, HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, True)
+        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+                    s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
+                    s_dk_t, s_dk_h, s_dv_t, s_dv_h,
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
 
 
 def attention_bwd(
@@ -290,16 +239,10 @@ def attention_bwd(
                *do.stride()[:2], g_t, g_h, g_t, g_h, g_t, g_h)
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
-    plan = tiles or bwd_tiles(T, max_seqlen, window, Kd)
-    if isinstance(plan, Aligned):
-        aligned_grid, hm = grid(cdiv(T, plan.starts), H, head_major)
-        launch(_bwd_kernel, aligned_grid, *args, delta, g, *offsets, *common, OWN=plan.own, INNER=plan.inner,
-               PASS=2, HEAD_MAJOR=hm, STARTS=plan.starts, num_warps=plan.warps, num_stages=plan.stages, **meta)
-        return g
-    (qm, qn, qw, qs), (kn, km, kw, ks) = plan
+    (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
     (dq_grid, dq_hm), (dkv_grid, dkv_hm) = grid(cdiv(T, qm), H, head_major), grid(cdiv(T, kn), H, head_major)
     launch(_bwd_kernel, dq_grid, *args, delta, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, STARTS=0, num_warps=qw, num_stages=qs, **meta)
+           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, num_warps=qw, num_stages=qs, **meta)
     launch(_bwd_kernel, dkv_grid, *args, delta, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, STARTS=0, num_warps=kw, num_stages=ks, **meta)
+           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, num_warps=kw, num_stages=ks, **meta)
     return g
