@@ -367,3 +367,15 @@ def test_the_cute_familys_rival_for_auto_is_auto_without_the_extra(monkeypatch):
     assert chosen["linear_glu"] == "triton" and not any("cute" in b for b in chosen.values())
     assert chosen["rotary_attention"] == "triton[uncaptured]>rotary+varlen_attention"  # auto's own route
     assert kernels.choose("linear_glu", "auto", "cuda") == "cute[large-pack]>triton"  # the extra's row
+
+
+def test_attention_engine_probe_times_the_training_step_in_both_thread_modes_on_the_cpu():
+    """`benchmarks.attention_engine_probe --train`'s step A/B (the engine's device thread vs the
+    calling thread) end to end on a tiny model on the CPU: both modes, both workloads, real times."""
+    from benchmarks import attention_engine_probe
+
+    recs = attention_engine_probe._train(rounds=1, steps=1, device="cpu", tiny=True)
+    assert {(r["workload"], r["variant"]) for r in recs} == {
+        (w, v) for w in ("train-doc-b8", "train-query") for v in ("step", "step[calling-thread]")}
+    assert all(r["step_ms"] > 0 and r["tokens"] > 0 for r in recs)
+    assert torch.autograd.is_multithreading_enabled()  # the probe's mode does not leak
