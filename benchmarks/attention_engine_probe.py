@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 
 from benchmarks import attention as A
 from benchmarks import common
+from benchmarks.records import gpu_slug, replace_text
 
 WORKLOADS = ("query-64k", "doc-64k-window", "doc-b8", "doc-64k")
 
@@ -65,6 +65,7 @@ def _stamps(fn: Callable, leaves, do, cu, L, window, reps: int = 15) -> dict[str
     rows: dict[str, list[float]] = {}
     try:
         for i in range(reps + 3):
+            marks.clear()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = fn(*leaves, cu, L, window)
@@ -175,8 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                "queued_ms": common.median_ms(direct, 5, 3, calls=5)}
         rec.update(common.host_device_ms([direct] * 3, torch.device("cuda")))
         records.append(rec)
-    meta_train = _train() if a.train else []
-    records += [{**r, **meta} for r in meta_train]
+    records += [{**r, **meta} for r in (_train() if a.train else [])]
     cols = ("one_call_ms", "queued_ms", "step_ms", "host_ms", "device_ms", "host_fwd_return_ms", "host_bwd_enter_ms",
             "host_bwd_return_ms", "host_grad_return_ms")
     print(f"# {gpu}, commit {meta['commit']}")
@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               + " ".join(f"{r[c]:11.3f}" if isinstance(r.get(c), float) else f"{'':11s}" for c in cols))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia ", "", gpu.lower())).strip("-")
-    (out / f"attention_engine_{tag}.json").write_text(json.dumps(records, indent=1) + "\n")
+    replace_text(out / f"attention_engine_{gpu_slug(gpu)}.json", json.dumps(records, indent=1) + "\n")
     return records
 
 
