@@ -16,7 +16,10 @@ between query and doc, where the cute backend's FA4 threshold is placed). Length
    (error <= 2 x that of the plain bf16 attention + 1e-3 x the reference's scale).
 2. Time (CUDA events, warm-up, median of 15): `fwd_ms` under no_grad, `fwd_bwd_ms` = forward with
    inputs that require grad + autograd.grad of q, k, v (one call between two events: a host
-   prologue longer than the GPU's idle start counts), each also as `*_host_ms` (host enqueue) and
+   prologue longer than the GPU's idle start counts) with the backward on the calling thread, as
+   `packedenc.train`'s step runs it (`backward_grads`; every system alike), and
+   `fwd_bwd_engine_thread_ms` the same call with the engine's default hand-off of the backward to
+   its CUDA device thread (what a bare `autograd.grad` does); each also as `*_host_ms` (host enqueue) and
    `*_device_ms` (its kernels alone, queued behind a sleep: `common.host_device_ms`), for the
    systems `packedenc` (the op table's
    "triton" varlen_attention) and `torch-flash` (torch's varlen attention through kernels/flash.py);
@@ -175,10 +178,15 @@ def time_system(fn: Callable, lens: list[int], window: tuple[int, int]) -> dict[
         with torch.no_grad():
             fn(q, k, v, cu, L, window)
 
-    def fwd_bwd():
+    def engine_thread():  # the autograd engine's default: the backward on its CUDA device thread
         torch.autograd.grad(fn(*leaves, cu, L, window), leaves, do)
 
-    out = {"fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd)}
+    def fwd_bwd():  # the backward on the calling thread, as the library's training step runs it
+        with torch.autograd.set_multithreading_enabled(False):
+            torch.autograd.grad(fn(*leaves, cu, L, window), leaves, do)
+
+    out = {"fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd),
+           "fwd_bwd_engine_thread_ms": median_ms(engine_thread), "backward_thread": "calling"}
     # the same calls split into host enqueue time and the device time of their own kernels
     for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         hd = common.host_device_ms([f] * 3, torch.device("cuda"))

@@ -88,6 +88,35 @@ def test_pure_step_equals_torch_adamw_and_leaves_its_input_alone():
                                                  torch.utils._pytree.tree_leaves(_params())))
 
 
+def test_step_runs_the_backward_on_the_calling_thread_and_restores_the_mode():
+    """`backward_grads`: the engine's thread mode is off while the step's backward runs (on CUDA
+    the backward then stays on this thread instead of the engine's device thread) and back on after."""
+    import threading
+
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append((threading.get_ident(), torch.autograd.is_multithreading_enabled()))
+            return g
+
+    def loss_fn(params, batch):
+        return Spy.apply(classify_loss(params, batch))
+
+    step = make_step(loss_fn, AdamW(lr=1e-2))
+    state = TrainState.create(_params(), step.optimizer)
+    assert torch.autograd.is_multithreading_enabled()
+    loss, grads = step.grads(state.params, _batch(torch.Generator().manual_seed(5), 3))
+    assert seen == [(threading.get_ident(), False)]
+    assert torch.autograd.is_multithreading_enabled()
+    assert torch.isfinite(loss) and any(bool(g.abs().sum() > 0) for g in grads)
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])  # 0.05: every step is clipped
 def test_graphed_step_on_cpu_equals_the_eager_step(clip):
     params, g = _params(), torch.Generator().manual_seed(2)

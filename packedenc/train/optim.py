@@ -11,7 +11,8 @@
 
 The step runs in two phases, the seam where gradient accumulation and CUDA graphs cut it:
 1. `grads`: loss and gradients of one micro-batch (`torch.autograd.grad` over the params leaves,
-   or over their casts to `compute_dtype`), summed into fp32 accumulators;
+   or over their casts to `compute_dtype`, run on the calling thread: `backward_grads`), summed
+   into fp32 accumulators;
 2. `apply_`: mean over the micro-batches, data-parallel all-reduce when a process group is up,
    global-norm clipping, AdamW. Every scalar (learning rate, step count, bias corrections, clip
    coefficient) is a device tensor: no host sync, and a graph captured once serves every step.
@@ -135,6 +136,20 @@ def _clip_coef(norm: Tensor, max_norm: float) -> Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
+def backward_grads(loss: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+    """`torch.autograd.grad(loss, inputs, allow_unused=True)` with the backward on the calling thread.
+
+    By default the autograd engine hands a CUDA backward to its device thread and the caller
+    sleeps until it is done: a wake-up each way, and every Python backward node (ours are
+    autograd.Functions) then runs on that thread. An eager step is host-bound, so that hand-off
+    is paid in wall time: the ModernBERT-base step on `query` batches runs ~1.6x faster on the
+    calling thread (benchmarks/NOTES.md, "Kept"). The thread mode is thread-local and restored
+    on return. A loss spread over several devices loses the engine's per-device parallelism,
+    which the pytree of one model on one device never has."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The training step `(state, batch) -> (loss, new state)`; build it with `make_step`."""
@@ -164,7 +179,7 @@ class Step:
             loss = self.loss_fn(pytree.tree_unflatten(xs, spec), batch)
         if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
             raise TypeError(f"the loss function must return a scalar float tensor, got {_describe(loss)}")
-        gs = torch.autograd.grad(loss.reshape(()), ts, allow_unused=True)
+        gs = backward_grads(loss.reshape(()), ts)
         return loss.detach().reshape(()).float(), [torch.zeros_like(t) if g is None else g for t, g in zip(ts, gs)]
 
     # -- phase 2: the update, in place -------------------------------------------------------
