@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
 #   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep
 #   bash benchmarks/gpu_session.sh attention-short  # the same, query-64k and query-64k-window only (the short-sequence tiles)
+#   bash benchmarks/gpu_session.sh targets      # every workload an open issue (19, 20) sets a target on, in one call (~8 min):
+#                                               #   attention (4 workloads), ModernBERT / DeBERTa training, mnli / query inference
 #   bash benchmarks/gpu_session.sh host-profile  # cProfile of the eager calls issue 19 finds host-bound
 #   bash benchmarks/gpu_session.sh attention-profile  # torch.profiler of one attention forward + backward (its host time)
 #   bash benchmarks/gpu_session.sh kernel-profile  # ModernBERT-base forward's device time by kernel, triton vs auto (long, doc-64k)
@@ -74,7 +76,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [cute-attention]=210 [train-cute]=330 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [targets]=560 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [cute-attention]=210 [train-cute]=330 [host]=240 [cute-all]=560)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -90,7 +92,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|train-cute|compile|compile-bench|attention-profile|kernel-profile|cute-probes|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|train-cute|compile|compile-bench|attention-profile|kernel-profile|cute-probes|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|targets|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -114,7 +116,7 @@ if [ -f .gpu-stack/b/stack-b.tar.xz ] && [ -d "$stack/nvidia_cutlass_dsl" ]; the
     tar -xJf .gpu-stack/b/stack-b.tar.xz -C "$stack"
 fi
 # The README's tables measure the default install: those stages never see the stack (the cute family does).
-case "$stage" in readme-*|small|attention|attention-sweep|attention-short|attention-profile) base_install=1 ;; *) base_install=0 ;; esac
+case "$stage" in readme-*|small|targets|attention|attention-sweep|attention-short|attention-profile) base_install=1 ;; *) base_install=0 ;; esac
 if [ -d "$stack/flash_attn" ] && [ "$base_install" = 0 ]; then  # both halves unpacked (see the header)
     export PYTHONPATH="$PYTHONPATH:$stack/nvidia_cutlass_dsl/dsl_packages:$stack"
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
@@ -152,6 +154,18 @@ case "$stage" in
         bench 330 train --models modernbert-base --systems packedenc packedenc+graphs torch-packed --reps 3 ;;
     attention)
         timeout 220 python3 -m benchmarks attention --out "$out" 2>&1 | tee "$out/attention.log" | tail -30 ;;
+    targets)  # issues 19 and 20: each target's workload and the peers it is measured against, one commit, one lease
+        timeout 100 python3 -m benchmarks attention --only query-64k,doc-64k-window,doc-64k,long --out "$out" 2>&1 \
+            | tee "$out/attention.log" | tail -22
+        bench 220 train --models modernbert-base --systems packedenc packedenc+graphs torch-packed \
+            --workloads doc doc-b8 query --reps 3
+        mkdir -p "$out/deberta-train" "$out/inference"
+        timeout 130 python3 -m benchmarks train --out-dir "$out/deberta-train" --models deberta-v3-base \
+            --systems packedenc packedenc+graphs disentangled-flash-packed --workloads doc1k --reps 3 2>&1 | tail -8
+        timeout 60 python3 -m benchmarks deberta --out-dir "$out/inference" --workloads mnli \
+            --systems packedenc packedenc+graphs disentangled-flash 2>&1 | tail -8
+        timeout 60 python3 -m benchmarks modernbert --out-dir "$out/inference" --workloads query \
+            --systems packedenc packedenc+graphs torch-packed 2>&1 | tail -8 ;;
     attention-sweep)  # the family with its tile sweep
         timeout 320 python3 -m benchmarks attention --sweep --out "$out" 2>&1 | tee "$out/attention-sweep.log" | tail -45 ;;
     ab-query)  # an A/B on the host-bound query batches: every system twice, the order reversed
