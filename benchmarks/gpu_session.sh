@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_session.sh readme-inference | readme-train | attention   # the README's families
 #   bash benchmarks/gpu_session.sh attention-sweep  # the attention family with its tile sweep
 #   bash benchmarks/gpu_session.sh attention-short  # the same, query-64k and query-64k-window only (the short-sequence tiles)
-#   bash benchmarks/gpu_session.sh targets      # every workload an open issue (19, 20) sets a target on, in one call (~8 min):
+#   bash benchmarks/gpu_session.sh targets      # every workload an open issue (19, 20) sets a target on, in one call (~5 min on an H100):
 #                                               #   attention (4 workloads), ModernBERT / DeBERTa training, mnli / query inference
 #   bash benchmarks/gpu_session.sh host-profile  # cProfile of the eager calls issue 19 finds host-bound
 #   bash benchmarks/gpu_session.sh attention-profile  # torch.profiler of one attention forward + backward (its host time)
@@ -161,11 +161,12 @@ case "$stage" in
             --workloads doc doc-b8 query --reps 3
         mkdir -p "$out/deberta-train" "$out/inference"
         timeout 130 python3 -m benchmarks train --out-dir "$out/deberta-train" --models deberta-v3-base \
-            --systems packedenc packedenc+graphs disentangled-flash-packed --workloads doc1k --reps 3 2>&1 | tail -8
+            --systems packedenc packedenc+graphs disentangled-flash-packed --workloads doc1k --reps 3 2>&1 \
+            | tee "$out/deberta-train/train.log" | tail -8
         timeout 60 python3 -m benchmarks deberta --out-dir "$out/inference" --workloads mnli \
-            --systems packedenc packedenc+graphs disentangled-flash 2>&1 | tail -8
+            --systems packedenc packedenc+graphs disentangled-flash 2>&1 | tee "$out/inference/deberta.log" | tail -8
         timeout 60 python3 -m benchmarks modernbert --out-dir "$out/inference" --workloads query \
-            --systems packedenc packedenc+graphs torch-packed 2>&1 | tail -8 ;;
+            --systems packedenc packedenc+graphs torch-packed 2>&1 | tee "$out/inference/modernbert.log" | tail -8 ;;
     attention-sweep)  # the family with its tile sweep
         timeout 320 python3 -m benchmarks attention --sweep --out "$out" 2>&1 | tee "$out/attention-sweep.log" | tail -45 ;;
     ab-query)  # an A/B on the host-bound query batches: every system twice, the order reversed
