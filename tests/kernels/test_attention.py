@@ -216,6 +216,33 @@ def test_both_program_orders_compute_the_same_bits(window):
     assert A.grid(A.MAX_GRID_Y + 1, 12) == ((A.MAX_GRID_Y + 1, 12), False)  # CUDA's grid-y limit
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("window", [(-1, -1), (4, 3)])
+def test_tma_loop_tiles_compute_the_pointer_loads_bits(fused, window):
+    """TMA tiles load whole blocks (rows of other sequences, zeros past T) where the pointer loads
+    mask; the scores' masks make those contribute exact zeros, so every output bit is the same."""
+    lengths = LONG_CPU + MIXED
+    qkv = torch.randn(sum(lengths), 3, 2, 16).to(DEVICE, torch.float16)
+    q, k, v = qkv.unbind(1) if fused else (t.contiguous() for t in qkv.unbind(1))
+    do = torch.randn_like(q)
+    cu, L = cu_seqlens(lengths), max(lengths)
+    assert A.descriptors(16, q, k, v) is not None  # the TMA launches below take their TMA branch
+    tma = (*TINY, True)
+    plain = _kernels(q, k, v, do, cu, L, window)
+    got = _kernels(q, k, v, do, cu, L, window, tile=tma, bwd=(tma, tma))
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+
+def test_tma_descriptors_only_for_layouts_they_describe():
+    x = torch.randn(8, 3, 2, 16, dtype=torch.float16)
+    assert A.descriptors(16, x[:, 1]) is not None  # a fused qkv slice: heads K apart, 16-byte strides
+    assert A.descriptors(16, x[:, :, 0]) is None  # heads 2 * K apart
+    assert A.descriptors(16, torch.randn(8, 2, 24, dtype=torch.float16)) is None  # K not a power of two
+    assert A.descriptors(16, torch.randn(8, 2, 16, dtype=torch.float16)[1:]) is not None
+    assert A.descriptors(16, torch.randn(8 * 32 + 1, dtype=torch.float16)[1:].view(8, 2, 16)) is None  # base off 16 B
+    assert A.descriptors(16, torch.randn(0, 2, 16, dtype=torch.float16)) is None
+
+
 def test_tiles_come_from_host_values():
     assert A.tiles(81_000, 2048, (64, 64), 64) == A.TILE_WINDOW[0]
     assert A.tiles(3_600, 128, (-1, -1), 64) == A.TILE_SHORT[0]
@@ -313,6 +340,25 @@ _TILE_PAIRS = [(A.TILE_WINDOW[0], (64, 32, 4, 2)), (A.TILE_MID[0], (128, 32, 8, 
 def test_gpu_every_tile(tile, bwd, window):
     lengths = (3, 24, 1, 17, 60, 128, 5, 130, 33, 300) * 3  # query-like, blocks straddle many sequences
     _check(lengths, 12, 64, torch.bfloat16, window, atol=1e-3, tile=tile, bwd=(bwd, bwd))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_tma_tiles_2x_rule_and_pointer_bits(fused):
+    """The TMA loop tiles (the big packs' row of the table) on sequences that cross 64-row tiles
+    and 32k rows: the 2x rule, and the same bits as the pointer loads of the same tiles."""
+    lengths = (1, 2047, 3, 600, 70, 129, 1000, 31) * 4
+    tiles = [t[:4] for t in A.TILE_LONG]
+    for K in (64, 128):
+        _check(lengths[:8], 4, K, torch.bfloat16, (-1, -1), atol=1e-3, tile=A.TILE_LONG[0], bwd=A.TILE_LONG[1:])
+    qkv = torch.randn(sum(lengths), 3, 12, 64, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1) if fused else (t.contiguous() for t in qkv.unbind(1))
+    do = torch.randn_like(q)
+    cu, L = cu_seqlens(lengths), max(lengths)
+    assert A.descriptors(64, q, k, v) is not None
+    plain = _kernels(q, k, v, do, cu, L, (-1, -1), tile=tiles[0], bwd=tuple(tiles[1:]))
+    got = _kernels(q, k, v, do, cu, L, (-1, -1), tile=A.TILE_LONG[0], bwd=A.TILE_LONG[1:])
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ from torch import Tensor
 from packedenc.kernels import reference
 from packedenc.kernels.triton._common import cdiv, launch, next_pow2
 
-__all__ = ["attention_fwd", "tiles", "bwd_tiles", "LOG2E", "MAX_HEAD_DIM"]
+__all__ = ["attention_fwd", "tiles", "bwd_tiles", "descriptors", "LOG2E", "MAX_HEAD_DIM"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -117,20 +117,24 @@ def _rope(x, x_partner, pos, CS, P, offs_k, inv, sgn, scaling, BLOCK_K: tl.const
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh, qk_scale,
+def _attend(acc, l_i, m_i, q, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh, qk_scale,
             offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-            ROPE: tl.constexpr, BLOCK_K: tl.constexpr):
+            ROPE: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key tiles j_lo, j_lo + N, ... < j_hi. MASKED: per-row ranges [kl, kh)
     and loads guarded at blk_hi; unmasked tiles lie inside every row's range (no compares).
     ROPE: each key tile is rotated as it is read (`_rope`; positions POS, table CS of P positions,
-    per-column inv, sgn, partner columns)."""
+    per-column inv, sgn, partner columns). TMA: tiles come whole through the descriptors KD, VD
+    ((T, H * K) views; rows past T read as zeros, rows of other sequences are masked in the scores)."""
     for j0 in range(j_lo, j_hi, BLOCK_N):
         cols = j0 + offs_n
         c64 = cols.to(tl.int64)[:, None]
         kp = K + c64 * s_k_t + h * s_k_h + offs_k[None, :]
         vp = V + c64 * s_v_t + h * s_v_h + offs_k[None, :]
-        if MASKED:
+        if TMA:
+            k = KD.load([j0, h.to(tl.int32) * BLOCK_K])
+            v = VD.load([j0, h.to(tl.int32) * BLOCK_K])
+        elif MASKED:
             cmask = (cols < blk_hi)[:, None] & kmask[None, :]
             k = tl.load(kp, mask=cmask, other=0.0)
             v = tl.load(vp, mask=cmask, other=0.0)
@@ -190,6 +194,7 @@ def grid(blocks: int, H: int, head_major: bool = True) -> tuple[tuple[int, int],
 @triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
 def _fwd_kernel(
     Q, K, V,  # (T, H, K) views, head dim contiguous (slices of a fused qkv buffer are fine)
+    KD, VD,  # TMA: descriptors of K and V as (T, H * K), blocks (BLOCK_N, K); else K, V (unread)
     O,  # (T, H, K) out
     LSE,  # (H, T) fp32 out: log2-sum-exp2 of the scaled scores of each row (STORE_LSE)
     CU,  # (S + 1,) int32 cu_seqlens
@@ -206,6 +211,7 @@ def _fwd_kernel(
     PREC: tl.constexpr,  # tl.dot input_precision ("ieee" for fp32 inputs)
     ROPE: tl.constexpr,  # rotate q and k (split-half RoPE) as they are read: inference only
     HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`grid`)
+    TMA: tl.constexpr,  # key and value tiles through KD, VD (`_attend`)
 ):
     qk_scale, scaling = tl.cast(qk_scale, tl.float32), tl.cast(scaling, tl.float32)  # torch.compile passes fp64
     h, blk = _program(HEAD_MAJOR)
@@ -231,15 +237,15 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi,
                             kl, kh, qk_scale, offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
-                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi,
+                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K, TMA)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi,
                             kl, kh, qk_scale, offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
-                            BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi,
+                            BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K, TMA)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi,
                             kl, kh, qk_scale, offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
-                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K)
+                            BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, ROPE, BLOCK_K, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only invalid rows have no key
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
     tl.store(O + r64 * s_o_t + h * s_o_h + offs_k[None, :], out.to(O.dtype.element_ty),
@@ -250,16 +256,21 @@ def _fwd_kernel(
 
 # ---- tiles ---------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), from host values only; each row is (forward, dQ,
-# dK/dV), where dQ tiles are (query rows owned, key tile) and dK/dV tiles (key rows owned, query
-# tile). All from the H200 sweeps at H=12, K=64 (`python -m benchmarks attention --sweep`, records
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, TMA]), from host values only; each row is (forward,
+# dQ, dK/dV), where dQ tiles are (query rows owned, key tile) and dK/dV tiles (key rows owned,
+# query tile). All from the sweeps at H=12, K=64 (`python -m benchmarks attention --sweep`, records
 # in benchmarks/results/attention_h200.json): the backward of long and mid-length sequences is
 # fastest with 64 owned rows on 4 warps (128 rows on 8 warps: doc-64k dK/dV 2.63 vs 2.22 ms).
+# TMA (a fifth entry, True): the loop tiles come through tensor descriptors (`descriptors`), which
+# the big global packs' passes run faster on (`benchmarks.attention_tma_probe`); a launch with
+# descriptors goes through Triton's JIT (~20-40 us of host, nothing against a millisecond-long pass,
+# but the eager short batches' loss: the smaller packs keep pointer loads). A layout descriptors
+# cannot describe runs the same tile with pointer loads, bit for bit the same result.
 TILE_WIDE = ((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))  # head dim > 128: registers for M x 256
 TILE_WINDOW = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # local layers: every pass
 TILE_SHORT = ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2))  # global, max_seqlen <= 128 (query packs)
 TILE_MID = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T < 32k: more programs per wave
-TILE_LONG = ((128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2))  # global, T >= 32k, lengths 256..8k
+TILE_LONG = ((64, 64, 4, 3, True), (64, 64, 4, 3, True), (64, 32, 4, 2, True))  # global, T >= 32k: TMA loop tiles
 SHORT_SEQLEN = 128
 LONG_T = 32768
 
@@ -319,6 +330,24 @@ def _rope_args(positions: Tensor, inv_freq: Tensor, table: Tensor, scaling: floa
     return positions, inv_freq, table, table.shape[0], scaling
 
 
+def descriptors(block_rows: int, *xs: Tensor) -> tuple | None:
+    """TMA descriptors of (T, H, K) views as (T, H * K) with (block_rows, K) blocks, or None when
+    one cannot be described: heads not K apart, a base or a token stride off 16 bytes, a head dim
+    that is not a power of two >= 16, or a traced (fake) tensor. The kernels' TMA tiles take whole
+    blocks through them; the pointer loads do the same work for any layout."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = []
+    for x in xs:
+        T, H, Kd = x.shape
+        st, sh, sk = x.stride()
+        if (type(x) is not Tensor or sk != 1 or sh != Kd or Kd < 16 or Kd & (Kd - 1) or T == 0
+                or (st * x.element_size()) % 16 or x.data_ptr() % 16):
+            return None
+        out.append(TensorDescriptor(x, [T, H * Kd], [st, 1], [block_rows, Kd]))
+    return tuple(out)
+
+
 def launch_args(q: Tensor, cu_seqlens: Tensor, window: tuple[int, int], scale: float):
     """(S, n_steps, left, right, qk_scale, constexprs) shared by the three kernels' launches.
     The constexpr dict is shared between calls: read it, never change it."""
@@ -366,14 +395,17 @@ def attention_fwd(
         if lse2 is not None:
             lse2.zero_()
         return o.zero_(), lse2
-    BM, BN, warps, stages = tile or tiles(T, max_seqlen, window, Kd)
+    BM, BN, warps, stages, *tma = tile or tiles(T, max_seqlen, window, Kd)
     launch_grid, head_major = grid(cdiv(T, BM), H, head_major)
-    launch(_fwd_kernel, launch_grid,
-        q_THK, k_THK, v_THK, o, o if lse2 is None else lse2, cu_seqlens,
-        T, S, n_steps, left, right, qk_scale,
-        *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],
-        *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)),  # unused without RoPE
-        BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major,
-        num_warps=warps, num_stages=stages, **meta,
-    )
+    desc = descriptors(BN, k_THK, v_THK) if tma and tma[0] else None
+    args = (q_THK, k_THK, v_THK, *(desc or (k_THK, v_THK)), o, o if lse2 is None else lse2, cu_seqlens,
+            T, S, n_steps, left, right, qk_scale,
+            *q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o.stride()[:2],
+            *(_rope_args(*rope) if rope is not None else (cu_seqlens, o, o, 0, 1.0)))  # unused without RoPE
+    opts = dict(BLOCK_M=BM, BLOCK_N=BN, STORE_LSE=lse, ROPE=rope is not None, HEAD_MAJOR=head_major,
+                TMA=desc is not None, num_warps=warps, num_stages=stages, **meta)
+    if desc is None:
+        launch(_fwd_kernel, launch_grid, *args, **opts)
+    else:  # descriptors are not `launch`'s cache keys: the JIT's launch (big packs only, `tiles`)
+        _fwd_kernel[launch_grid](*args, **opts)
     return o, lse2

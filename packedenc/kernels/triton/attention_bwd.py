@@ -35,22 +35,26 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels.triton._common import cdiv, launch
-from packedenc.kernels.triton.attention import _program, _spans, bwd_tiles, grid, launch_args
+from packedenc.kernels.triton.attention import _program, _spans, bwd_tiles, descriptors, grid, launch_args
 
 __all__ = ["attention_bwd"]
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh,
+def _dq_tiles(dq, q, do, lse, delta, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh,
               qk_scale, offs_n, offs_k, kmask, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              EVEN_K: tl.constexpr, PREC: tl.constexpr):
-    """dq += dS k over key tiles j_lo, j_lo + N, ... < j_hi (MASKED: per-row ranges [kl, kh))."""
+              EVEN_K: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dq += dS k over key tiles j_lo, j_lo + N, ... < j_hi (MASKED: per-row ranges [kl, kh)).
+    TMA: whole tiles through the descriptors KD, VD, as in the forward's `_attend`."""
     for j0 in range(j_lo, j_hi, BLOCK_N):
         cols = j0 + offs_n
         c64 = cols.to(tl.int64)[:, None]
         kp = K + c64 * s_k_t + h * s_k_h + offs_k[None, :]
         vp = V + c64 * s_v_t + h * s_v_h + offs_k[None, :]
-        if MASKED:
+        if TMA:
+            k = KD.load([j0, h.to(tl.int32) * HEAD_DIM])
+            v = VD.load([j0, h.to(tl.int32) * HEAD_DIM])
+        elif MASKED:
             cmask = (cols < blk_hi)[:, None] & kmask[None, :]
             k = tl.load(kp, mask=cmask, other=0.0)
             v = tl.load(vp, mask=cmask, other=0.0)
@@ -73,10 +77,10 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, 
 
 
 @triton.jit
-def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+def _dq_block(Q, K, V, KD, VD, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
               s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
               HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
+              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """dq of the BLOCK_M query rows of block `pid`; their delta = rowsum(dO * O), stored (H, T)
     for the dK/dV pass."""
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # int32 packed row ids (see `_spans`)
@@ -94,36 +98,43 @@ def _dq_block(Q, K, V, O, DO, LSE, DELTA, DQ, CU, pid, h, T, S, n_steps, left, r
     tl.store(DELTA + h * T + rows, delta, mask=in_t)
     lse = tl.load(LSE + h * T + rows, mask=in_t, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi, kl, kh,
-                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi, kl, kh,
-                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi, kl, kh,
-                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, blk_lo, mid_lo, blk_hi, kl, kh,
+                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, TMA, HEAD_DIM)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_lo, mid_hi, blk_hi, kl, kh,
+                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, False, HEAD_DIM == BLOCK_K, PREC, TMA, HEAD_DIM)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, mid_hi, blk_hi, blk_hi, kl, kh,
+                   qk_scale, offs_n, offs_k, kmask, BLOCK_N, True, HEAD_DIM == BLOCK_K, PREC, TMA, HEAD_DIM)
     dq = tl.where(valid[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + r64 * s_dq_t + h * s_dq_h + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=mask2)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h, i_lo, i_hi,
                 blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_K: tl.constexpr, PREC: tl.constexpr):
+                EVEN_K: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dv += P^T dO, dk += dS^T q over query tiles i_lo, i_lo + M, ... < i_hi (MASKED: key j's
-    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries)."""
+    queries [ql_j, qh_j)). Scores are built transposed, (N keys, M queries). TMA: q and dO tiles
+    whole through the descriptors QD, DOD."""
     for i0 in range(i_lo, i_hi, BLOCK_M):
         rows = i0 + offs_m
         r64 = rows.to(tl.int64)[:, None]
         qp = Q + r64 * s_q_t + h * s_q_h + offs_k[None, :]
         dop = DO + r64 * s_do_t + h * s_do_h + offs_k[None, :]
+        if TMA:
+            q = QD.load([i0, h.to(tl.int32) * HEAD_DIM])
+            do = DOD.load([i0, h.to(tl.int32) * HEAD_DIM])
         if MASKED:
             rm = rows < blk_hi
             rmask = rm[:, None] & kmask[None, :]
-            q = tl.load(qp, mask=rmask, other=0.0)
-            do = tl.load(dop, mask=rmask, other=0.0)
+            if not TMA:
+                q = tl.load(qp, mask=rmask, other=0.0)
+                do = tl.load(dop, mask=rmask, other=0.0)
             lse = tl.load(LSE + h * T + rows, mask=rm, other=0.0)
             delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
         else:
-            if EVEN_K:
+            if TMA:
+                pass
+            elif EVEN_K:
                 q = tl.load(qp)
                 do = tl.load(dop)
             else:
@@ -145,10 +156,10 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_d
 
 
 @triton.jit
-def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+def _dkdv_block(Q, K, V, DO, QD, DOD, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                 s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h, s_dk_t, s_dk_h, s_dv_t, s_dv_h,
                 HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr):
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """dk, dv of the BLOCK_N key rows of block `pid` (query tiles of BLOCK_M rows)."""
     # key j is seen by queries [max(start, j - right), min(end, j + left + 1)): the mirrored window
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # int32 packed key rows (see `_spans`)
@@ -163,15 +174,15 @@ def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left
     v = tl.load(V + c64 * s_v_t + h * s_v_h + offs_k[None, :], mask=mask2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          blk_lo, mid_lo, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+                         HEAD_DIM == BLOCK_K, PREC, TMA, HEAD_DIM)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_lo, mid_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, False,
-                         HEAD_DIM == BLOCK_K, PREC)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
+                         HEAD_DIM == BLOCK_K, PREC, TMA, HEAD_DIM)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, h, T, s_q_t, s_q_h, s_do_t, s_do_h,
                          mid_hi, blk_hi, blk_hi, ql, qh, qk_scale, offs_m, offs_k, kmask, BLOCK_M, True,
-                         HEAD_DIM == BLOCK_K, PREC)
+                         HEAD_DIM == BLOCK_K, PREC, TMA, HEAD_DIM)
     dk = tl.where(valid[:, None], dk * sm_scale, 0.0)
     dv = tl.where(valid[:, None], dv, 0.0)
     tl.store(DK + c64 * s_dk_t + h * s_dk_h + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=mask2)
@@ -181,6 +192,7 @@ def _dkdv_block(Q, K, V, DO, LSE, DELTA, DK, DV, CU, pid, h, T, S, n_steps, left
 @triton.jit(do_not_specialize=["T", "S", "n_steps", "left", "right"])
 def _bwd_kernel(
     Q, K, V, O, DO,  # (T, H, K) views, head dim contiguous
+    QD, KD, VD, DOD,  # TMA: descriptors of q, k, v, dO as (T, H * K), blocks (INNER, K); else unread
     LSE,  # (H, T) fp32: the forward's log2-sum-exp2
     DELTA,  # (H, T) fp32: rowsum(dO * O), written by PASS 0, read by PASS 1
     DG, o_dq, o_dk, o_dv,  # out: the one gradient buffer, dq / dk / dv at these element offsets in it
@@ -193,18 +205,19 @@ def _bwd_kernel(
     WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, PREC: tl.constexpr,
     PASS: tl.constexpr,  # 0: dq (and delta); 1: dk, dv (delta read)
     HEAD_MAJOR: tl.constexpr,  # grid (H, blocks): a block's heads run side by side (`attention.grid`)
+    TMA: tl.constexpr,  # the loop tiles through the descriptors (PASS 0: KD, VD; PASS 1: QD, DOD)
 ):
     qk_scale, sm_scale = tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32)  # torch.compile passes fp64
     h, pid = _program(HEAD_MAJOR)
     if PASS == 0:
-        _dq_block(Q, K, V, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+        _dq_block(Q, K, V, KD, VD, O, DO, LSE, DELTA, DG + o_dq, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                   s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_o_t, s_o_h, s_do_t, s_do_h, s_dq_t, s_dq_h,
-                  HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
+                  HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, TMA)
     else:
-        _dkdv_block(Q, K, V, DO, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
+        _dkdv_block(Q, K, V, DO, QD, DOD, LSE, DELTA, DG + o_dk, DG + o_dv, CU, pid, h, T, S, n_steps, left, right, qk_scale, sm_scale,
                     s_q_t, s_q_h, s_k_t, s_k_h, s_v_t, s_v_h, s_do_t, s_do_h,
                     s_dk_t, s_dk_h, s_dv_t, s_dv_h,
-                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC)
+                    HEAD_DIM, BLOCK_K, OWN, INNER, WINDOW_L, WINDOW_R, PREC, TMA)
 
 
 def attention_bwd(
@@ -232,17 +245,29 @@ def attention_bwd(
     do = do_THK
     if do.stride(-1) != 1 or do.stride(0) == 0 or do.stride(1) == 0:  # expanded or transposed gradients
         do = do.contiguous()
-    args = (q_THK, k_THK, v_THK, o_THK, do, lse2_HT)
+    args = (q_THK, k_THK, v_THK, o_THK, do)
     g_t, g_h = g.select(slot, 0).stride()[:2]
     offsets = tuple(i * g.stride(slot) for i in range(3))
     strides = (*q_THK.stride()[:2], *k_THK.stride()[:2], *v_THK.stride()[:2], *o_THK.stride()[:2],
                *do.stride()[:2], g_t, g_h, g_t, g_h, g_t, g_h)
     common = (cu_seqlens, T, S, n_steps, left, right, qk_scale, float(scale), *strides)
     delta = torch.empty((H, T), dtype=torch.float32, device=q_THK.device)
-    (qm, qn, qw, qs), (kn, km, kw, ks) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
+    (qm, qn, qw, qs, *q_tma), (kn, km, kw, ks, *kv_tma) = tiles or bwd_tiles(T, max_seqlen, window, Kd)
     (dq_grid, dq_hm), (dkv_grid, dkv_hm) = grid(cdiv(T, qm), H, head_major), grid(cdiv(T, kn), H, head_major)
-    launch(_bwd_kernel, dq_grid, *args, delta, g, *offsets, *common,
-           OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, num_warps=qw, num_stages=qs, **meta)
-    launch(_bwd_kernel, dkv_grid, *args, delta, g, *offsets, *common,
-           OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, num_warps=kw, num_stages=ks, **meta)
+    # the descriptor slots of a pointer-load launch hold tensors the kernel never reads
+    kv = descriptors(qn, k_THK, v_THK) if q_tma and q_tma[0] else None
+    qdo = descriptors(km, q_THK, do) if kv_tma and kv_tma[0] else None
+    dq_args = (*args, *((q_THK, *kv, do) if kv else args[:4]), lse2_HT, delta, g, *offsets, *common)
+    dkv_args = (*args, *((qdo[0], k_THK, v_THK, qdo[1]) if qdo else args[:4]), lse2_HT, delta, g, *offsets, *common)
+    dq_opts = dict(OWN=qm, INNER=qn, PASS=0, HEAD_MAJOR=dq_hm, num_warps=qw, num_stages=qs, **meta)
+    dkv_opts = dict(OWN=kn, INNER=km, PASS=1, HEAD_MAJOR=dkv_hm, num_warps=kw, num_stages=ks, **meta)
+    # descriptors are not `launch`'s cache keys: those launches take the JIT (big packs only, `bwd_tiles`)
+    if kv is None:
+        launch(_bwd_kernel, dq_grid, *dq_args, TMA=False, **dq_opts)
+    else:
+        _bwd_kernel[dq_grid](*dq_args, TMA=True, **dq_opts)
+    if qdo is None:
+        launch(_bwd_kernel, dkv_grid, *dkv_args, TMA=False, **dkv_opts)
+    else:
+        _bwd_kernel[dkv_grid](*dkv_args, TMA=True, **dkv_opts)
     return g
