@@ -42,9 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import re
-import subprocess
 import sys
 import traceback
 import zlib
@@ -54,7 +51,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import common
-from benchmarks.records import replace_text
+from benchmarks.records import git_commit, gpu_slug, replace_text
 
 H, K = 12, 64
 BF16 = torch.bfloat16
@@ -246,13 +243,7 @@ def sweep(lens: list[int], window: tuple[int, int]) -> list[dict[str, Any]]:
 
 
 def commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit()  # GIT_COMMIT when set, '-dirty' for an uncommitted tree
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -325,7 +316,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 traceback.print_exc()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"attention_{re.sub(r'[^a-z0-9]+', '-', re.sub(r'^nvidia ', '', gpu.lower())).strip('-')}.json"
+    path = out / f"attention_{gpu_slug(gpu)}.json"
     replace_text(path, json.dumps({"records": records, "sweep": sweeps, **meta}, indent=1) + "\n")
     print(f"\n## issue 20 (bf16, H={H}, K={K}); records in {path}\n{table(records)}")
     if sweeps:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import attention as AB
-from benchmarks import common
+from benchmarks import common, records
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,10 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{wl:18s} {p:4s} blocks-fastest {rec['blocks_fastest_ms']:7.3f}  heads-fastest "
                   f"{rec['heads_fastest_ms']:7.3f} ms  ({rec['heads_fastest_ms'] / rec['blocks_fastest_ms']:.3f}x)"
                   f"  same={same}", flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia ", "", gpu.lower())).strip("-")
-    (out / f"attention_order_{tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    records.replace_text(Path(a.out) / f"attention_order_{records.gpu_slug(gpu)}.json", json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import attention as AB
-from benchmarks import common
+from benchmarks import common, records
 
 FWD = ((128, 64, 8, 3), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True),
        (128, 128, 8, 3, True), (64, 64, 4, 3, True), (128, 64, 4, 3, True))
@@ -130,10 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                              "default": t == tiles[0], "ms": m, "rounds_ms": ms[t], "max_diff_vs_default": diffs[t],
                              "tokens": T, "sequences": len(lens), **meta})
                 print(f"{wl:15s} {p:4s} {str(t):26s} {m:7.3f} ms  {m / base:5.3f}x  diff {diffs[t]:.2e}", flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = re.sub(r"[^a-z0-9]+", "-", re.sub(r"^nvidia ", "", gpu.lower())).strip("-")
-    (out / f"attention_tma_{tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    records.replace_text(Path(a.out) / f"attention_tma_{records.gpu_slug(gpu)}.json", json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -117,6 +117,28 @@ def _rope(x, x_partner, pos, CS, P, offs_k, inv, sgn, scaling, BLOCK_K: tl.const
 
 
 @triton.jit
+def _load_tiles(pa, pb, AD, BD, row0, col, inb, kmask, TMA: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """Two (rows, BLOCK_K) tiles at pointers pa, pb, or through the descriptors AD, BD at
+    [row0, col] (TMA: whole blocks, zeros past T); MASKED guards rows by `inb`, EVEN_K skips the
+    head-dim mask. Every pass's loop reads its two tiles here."""
+    if TMA:
+        a = AD.load([row0, col])
+        b = BD.load([row0, col])
+    elif MASKED:
+        m = inb[:, None] & kmask[None, :]
+        a = tl.load(pa, mask=m, other=0.0)
+        b = tl.load(pb, mask=m, other=0.0)
+    elif EVEN_K:  # a full tile: no mask at all
+        a = tl.load(pa)
+        b = tl.load(pb)
+    else:
+        a = tl.load(pa, mask=kmask[None, :], other=0.0)
+        b = tl.load(pb, mask=kmask[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo, j_hi, blk_hi, kl, kh, qk_scale,
             offs_n, offs_k, kmask, POS, CS, P, inv, sgn, partner, scaling,
             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
@@ -131,23 +153,11 @@ def _attend(acc, l_i, m_i, q, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h, j_lo,
         c64 = cols.to(tl.int64)[:, None]
         kp = K + c64 * s_k_t + h * s_k_h + offs_k[None, :]
         vp = V + c64 * s_v_t + h * s_v_h + offs_k[None, :]
-        if TMA:
-            k = KD.load([j0, h.to(tl.int32) * BLOCK_K])
-            v = VD.load([j0, h.to(tl.int32) * BLOCK_K])
-        elif MASKED:
-            cmask = (cols < blk_hi)[:, None] & kmask[None, :]
-            k = tl.load(kp, mask=cmask, other=0.0)
-            v = tl.load(vp, mask=cmask, other=0.0)
-        elif EVEN_K:  # a full tile: no mask at all
-            k = tl.load(kp)
-            v = tl.load(vp)
-        else:
-            k = tl.load(kp, mask=kmask[None, :], other=0.0)
-            v = tl.load(vp, mask=kmask[None, :], other=0.0)
+        k, v = _load_tiles(kp, vp, KD, VD, j0, h.to(tl.int32) * BLOCK_K, cols < blk_hi, kmask, TMA, MASKED, EVEN_K)
         if ROPE:
             kpp = K + c64 * s_k_t + h * s_k_h + partner[None, :]
             if MASKED:
-                k_partner = tl.load(kpp, mask=cmask, other=0.0)
+                k_partner = tl.load(kpp, mask=(cols < blk_hi)[:, None] & kmask[None, :], other=0.0)
                 pos = tl.load(POS + cols, mask=cols < blk_hi, other=0)
             else:
                 k_partner = tl.load(kpp, mask=kmask[None, :], other=0.0)

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.kernels.triton._common import cdiv, launch
-from packedenc.kernels.triton.attention import _program, _spans, bwd_tiles, descriptors, grid, launch_args
+from packedenc.kernels.triton.attention import _load_tiles, _program, _spans, bwd_tiles, descriptors, grid, launch_args
 
 __all__ = ["attention_bwd"]
 
@@ -51,19 +51,7 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, KD, VD, h, s_k_t, s_k_h, s_v_t, s_v_h
         c64 = cols.to(tl.int64)[:, None]
         kp = K + c64 * s_k_t + h * s_k_h + offs_k[None, :]
         vp = V + c64 * s_v_t + h * s_v_h + offs_k[None, :]
-        if TMA:
-            k = KD.load([j0, h.to(tl.int32) * HEAD_DIM])
-            v = VD.load([j0, h.to(tl.int32) * HEAD_DIM])
-        elif MASKED:
-            cmask = (cols < blk_hi)[:, None] & kmask[None, :]
-            k = tl.load(kp, mask=cmask, other=0.0)
-            v = tl.load(vp, mask=cmask, other=0.0)
-        elif EVEN_K:
-            k = tl.load(kp)
-            v = tl.load(vp)
-        else:
-            k = tl.load(kp, mask=kmask[None, :], other=0.0)
-            v = tl.load(vp, mask=kmask[None, :], other=0.0)
+        k, v = _load_tiles(kp, vp, KD, VD, j0, h.to(tl.int32) * HEAD_DIM, cols < blk_hi, kmask, TMA, MASKED, EVEN_K)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         x = s * qk_scale - lse[:, None]
         if MASKED:  # before exp2: another sequence's score may overflow it
@@ -120,26 +108,12 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, h, T, s_q_t, s_q_h, s_
         r64 = rows.to(tl.int64)[:, None]
         qp = Q + r64 * s_q_t + h * s_q_h + offs_k[None, :]
         dop = DO + r64 * s_do_t + h * s_do_h + offs_k[None, :]
-        if TMA:
-            q = QD.load([i0, h.to(tl.int32) * HEAD_DIM])
-            do = DOD.load([i0, h.to(tl.int32) * HEAD_DIM])
+        rm = rows < blk_hi
+        q, do = _load_tiles(qp, dop, QD, DOD, i0, h.to(tl.int32) * HEAD_DIM, rm, kmask, TMA, MASKED, EVEN_K)
         if MASKED:
-            rm = rows < blk_hi
-            rmask = rm[:, None] & kmask[None, :]
-            if not TMA:
-                q = tl.load(qp, mask=rmask, other=0.0)
-                do = tl.load(dop, mask=rmask, other=0.0)
             lse = tl.load(LSE + h * T + rows, mask=rm, other=0.0)
             delta = tl.load(DELTA + h * T + rows, mask=rm, other=0.0)
         else:
-            if TMA:
-                pass
-            elif EVEN_K:
-                q = tl.load(qp)
-                do = tl.load(dop)
-            else:
-                q = tl.load(qp, mask=kmask[None, :], other=0.0)
-                do = tl.load(dop, mask=kmask[None, :], other=0.0)
             lse = tl.load(LSE + h * T + rows)
             delta = tl.load(DELTA + h * T + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC)
