@@ -123,19 +123,18 @@ def per_gemm(run: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _gemm_table(ops: Any) -> Any:
-    """`ops` whose three GEMM ops take the Triton kernel where it covers the call."""
+def _gemm_table(ops: Any, names: tuple[str, ...] = ("linear", "linear_add", "linear_glu")) -> Any:
+    """`ops` whose GEMM ops `names` take the Triton kernel where it covers the call."""
     from packedenc.kernels.triton import gemm as G
 
     def routed(fast: Callable, covers: Callable, rest: Callable) -> Callable:
         return lambda *a, **k: fast(*a, **k) if covers(*a, **k) else rest(*a, **k)
 
-    return dataclasses.replace(ops, linear=routed(G.linear, G.covers_linear, ops.linear),
-                               linear_add=routed(G.linear_add, G.covers_linear_add, ops.linear_add),
-                               linear_glu=routed(G.linear_glu, G.covers_linear_glu, ops.linear_glu))
+    return dataclasses.replace(ops, **{n: routed(getattr(G, n), getattr(G, "covers_" + n), getattr(ops, n))
+                                       for n in names})
 
 
-def whole(run: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
+def whole(run: dict[str, Any], rounds: int, only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     import packedenc as pe
     from packedenc.kernels import get_ops
     from packedenc.models import deberta, modernbert
@@ -149,13 +148,16 @@ def whole(run: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     }
     out = []
     for name, (cfg, spec) in models.items():
+        if only and name not in only:
+            continue
         params = pe.tree_to(pe.init(cfg, torch.Generator().manual_seed(0), dtype=torch.bfloat16), dev)
         w = make_workload(spec, cfg.vocab_size)
         batches = [w.batch(i) for i in range(12)]
         inputs = [(b.ids.to(dev), b.cu_seqlens.to(dev), b.max_seqlen) for b in batches]
         tokens = sum(b.num_tokens for b in batches)
         base = get_ops("auto", dev)
-        tables = {"packedenc": base, "packedenc[triton-gemm]": _gemm_table(base)}
+        tables = {"packedenc": base, "packedenc[triton-gemm]": _gemm_table(base),
+                  "packedenc[triton-glu]": _gemm_table(base, ("linear_glu",))}
         res: dict[str, dict[str, list[float]]] = {k: {"tps": [], "host": [], "dev": []} for k in tables}
         outs = {}
         with torch.inference_mode():
@@ -179,17 +181,16 @@ def whole(run: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
                     hd = common.host_device_ms([lambda x=x: pe.encode(params, *x, backend=ops) for x in inputs[:3]], dev)
                     res[sys_name]["host"].append(hd["host_ms"])
                     res[sys_name]["dev"].append(hd["device_ms"])
-        diff = (outs["packedenc"] - outs["packedenc[triton-gemm]"]).abs().max().item()
         for sys_name, r in res.items():
+            diff = (outs["packedenc"] - outs[sys_name]).abs().max().item()
             rec = {**run, "case": name, "system": sys_name, "tokens_per_s": statistics.median(r["tps"]),
                    "tokens_per_s_rounds": r["tps"], "host_ms": statistics.median(r["host"]),
                    "device_ms": statistics.median(r["dev"]), "max_diff_vs_packedenc": diff,
                    "tokens_per_batch": tokens / len(inputs)}
             out.append(rec)
             print(f"{name:17s} {sys_name:24s} {rec['tokens_per_s'] / 1e3:8.1f}k tok/s  host {rec['host_ms']:.2f} ms  "
-                  f"device {rec['device_ms']:.2f} ms  (rounds {', '.join(f'{v / 1e3:.0f}k' for v in r['tps'])})",
+                  f"device {rec['device_ms']:.2f} ms  diff {diff:.3g}  (rounds {', '.join(f'{v / 1e3:.0f}k' for v in r['tps'])})",
                   flush=True)
-        print(f"{name}: max |triton-gemm - packedenc| = {diff:.3g}", flush=True)
     return out
 
 
@@ -198,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--skip-gemms", action="store_true")
+    ap.add_argument("--models", nargs="*", default=(), help="modernbert-query, deberta-mnli (default both)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     gpu = records.gpu_name(dev)
     run = {"gpu": gpu, "commit": records.git_commit(), "torch": torch.__version__,
            "command": "python -m benchmarks.gemm_probe " + " ".join(argv if argv is not None else sys.argv[1:])}
     recs = [] if a.skip_gemms else per_gemm(run)
-    recs += whole(run, a.rounds)
+    recs += whole(run, a.rounds, tuple(a.models))
     path = Path(a.out) / f"gemm_probe_{records.gpu_slug(gpu)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     records.replace_text(path, json.dumps(recs, indent=1) + "\n")
