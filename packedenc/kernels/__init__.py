@@ -30,7 +30,7 @@ backend covers AND its shape rule accepts (two rows of one backend: two shape cl
 its own measurement).
 
 Composite ops are two ops in a row that a kernel may fuse: `rotary_attention` is
-`varlen_attention(*rotary(qkv, ...))`. Their chain ends with the parts instead of the reference,
+`varlen_attention(*rotary(qkv, ...))`, `linear_glu` is `glu(linear(x, W, b))`. Their chain ends with the parts instead of the reference,
 named "rotary+varlen_attention": the calls no fused implementation takes run the table's own
 entries of the two parts (whatever serves them), so fusing never changes who serves the rest.
 
@@ -104,6 +104,7 @@ OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("back
 # Composite op -> (its parts, how the parts' entries make it): the end of its chain (see the docstring).
 PARTS: dict[str, tuple[tuple[str, ...], Callable[..., Callable]]] = {
     "rotary_attention": (("rotary", "varlen_attention"), reference.compose_rotary_attention),
+    "linear_glu": (("linear", "glu"), reference.compose_linear_glu),
 }
 
 _IMPLS: dict[str, dict[str, Callable]] = {"reference": {n: getattr(reference, n) for n in OP_NAMES}}

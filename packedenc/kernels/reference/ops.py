@@ -46,6 +46,7 @@ __all__ = [
     "linear_cross_entropy",
     "rotary_attention",
     "compose_rotary_attention",
+    "compose_linear_glu",
 ]
 
 
@@ -206,8 +207,19 @@ def linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: st
     Return:
         (T, F) in x's dtype. An unknown `act` raises ConfigError.
     """
-    check_activation(act)
-    return glu(linear(x_TD, weight, bias), act)
+    return compose_linear_glu(linear, glu)(x_TD, weight, bias, act)
+
+
+def compose_linear_glu(linear_fn: Callable, glu_fn: Callable) -> Callable:
+    """`linear_glu` made of a table's own `linear` and `glu` entries, one after the other (the op
+    table's last link for the calls no fused kernel takes). u is this call's own temporary, so the
+    gate may write into its first half (`overwrite_input`: the Triton gate does in eager inference)."""
+
+    def linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
+        check_activation(act)  # an unknown activation fails before the GEMM runs
+        return glu_fn(linear_fn(x_TD, weight, bias), act, overwrite_input=True)
+
+    return linear_glu
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:

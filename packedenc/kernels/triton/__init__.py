@@ -8,7 +8,8 @@ tiles, forward, backward, op), `attention.py` (packed varlen attention: forward 
 graph_attention entries). Each op is a `torch.library.triton_op` `packedenc::<op>` (CPU: the
 reference; CUDA: the Triton kernel, which a trace records through `wrap_triton`; the DeBERTa
 attention is a plain custom op, `deberta/op.py` says why), with autograd registered, and the
-functions registered here have the reference signatures, so the table calls either interchangeably. `linear_glu.py` is the one composite entry: cuBLAS's GEMM, then glu's op.
+functions registered here have the reference signatures, so the table calls either interchangeably. `linear_glu.py` is a forward-only GEMM with the GeGLU
+gate in its epilogue (eager inference; the op table runs the op's parts, cuBLAS then `glu`, elsewhere).
 """
 
 from packedenc.kernels import register_impl
@@ -23,7 +24,6 @@ for _name, _fn in (
     ("embed_layer_norm", layer_norm.embed_layer_norm),
     ("rotary", rotary.rotary),
     ("glu", glu.glu),
-    ("linear_glu", linear_glu.linear_glu),  # cuBLAS GEMM, then the gate kernel (in place in inference)
     ("activation", activation.activation),
     ("deberta_attention", deberta.deberta_attention),
     ("varlen_attention", attention_op.varlen_attention),  # forward and backward, every input
@@ -35,3 +35,5 @@ for _name, _fn in (
 register_impl("triton", "graph_attention", attention_op.graph_attention, covers=attention_op.covers_graph)
 # eager inference on short sequences: the rest runs the table's rotary, then its varlen_attention
 register_impl("triton", "rotary_attention", attention_op.rotary_attention, covers=attention_op.covers_rotary_attention)
+# eager inference: one GEMM with the gate in its epilogue; the rest runs the table's linear, then its glu
+register_impl("triton", "linear_glu", linear_glu.linear_glu, covers=linear_glu.covers_linear_glu)

@@ -1,32 +1,155 @@
-"""Gated MLP input projection, `linear_glu(x, weight, bias, act)`: cuBLAS GEMM, then the Triton gate.
+"""Gated MLP input projection, `linear_glu(x, weight, bias, act)`, as one Triton GEMM with the gate
+in its epilogue: eager inference (ModernBERT's Wi + GeGLU).
 
-Shapes: T packed tokens, D hidden, F mlp width (weight is (2F, D): input rows, then gate rows).
+Shapes: T packed tokens (M), D input width (K), F mlp width (weight is (2F, D): input rows, then gate rows).
 
-The "triton" entry of the op is the two steps the model ran before the op existed: `F.linear`
-(cuBLAS) writes u (T, 2F), and `glu.py`'s kernel applies act(u[:, :F]) * u[:, F:]. u is this
-call's own temporary, so eager inference writes the gate's output into u's first half
-(`overwrite_input`) and allocates no second buffer. Autograd: torch's for the GEMM, `glu.py`'s
-registered backward for the gate; the result equals `reference.linear_glu` step for step.
+What it replaces: the op's parts, cuBLAS's GEMM writing u (T, 2F) and `glu.py`'s kernel reading it
+back (`reference.compose_linear_glu`, the table's last link for the calls this does not take). A
+program computes a (BLOCK_M, BLOCK_F) tile of both halves, x @ W[n]^T and x @ W[n + F]^T, in two
+fp32 accumulators; each is rounded (with its bias) to the dtype, as u would be, then act(u_in) *
+u_gate in fp32 with one rounding (`reference.glu`): the parts' values, one launch and no u. It has
+no backward: `covers_linear_glu` takes calls that need no gradient, on fp16 / bf16 row-major
+operands, in eager CUDA execution; the op table (`kernels/auto.py`) says where it is chosen.
+
+Rows past T and columns past F read row T - 1 / column F - 1 (in bounds, never stored), so the
+loads need no mask; only a K that is not a multiple of BLOCK_K masks its last step.
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
+import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from packedenc.kernels.triton import glu
+from packedenc.errors import InputError
+from packedenc.kernels.triton._common import cdiv, direct_launch, launch
+from packedenc.kernels.triton.glu import _act, _code
 
-__all__ = ["linear_glu"]
+__all__ = ["linear_glu", "covers_linear_glu", "linear_glu_fwd", "TILE"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _linear_glu_kernel(
+    X,  # (M, K), row stride stride_x
+    W,  # (2F, K): input rows, then gate rows
+    BIAS,  # (2F,) (unread without HAS_BIAS)
+    OUT,  # (M, F)
+    M, F, K,
+    stride_x, stride_w, stride_o,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 operands (full-precision dots: the CPU tests), else "tf32"
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # grouped order: GROUP_M row tiles share each column tile of W while it is in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_f = tl.cdiv(F, BLOCK_F)
+    width = GROUP_M * num_f
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_f = (pid % width) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rf = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    rk = tl.arange(0, BLOCK_K)
+    xm = tl.minimum(rm, M - 1).to(tl.int64)
+    wf = tl.minimum(rf, F - 1).to(tl.int64)
+    x_ptr = X + xm[:, None] * stride_x + rk[None, :]
+    w_ptr = W + wf[:, None] * stride_w + rk[None, :]
+    g_ptr = w_ptr + F * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptr)
+            b = tl.load(w_ptr)
+            bg = tl.load(g_ptr)
+        else:
+            kk = (rk < K - k * BLOCK_K)[None, :]
+            a = tl.load(x_ptr, mask=kk, other=0.0)
+            b = tl.load(w_ptr, mask=kk, other=0.0)
+            bg = tl.load(g_ptr, mask=kk, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision=PRECISION)
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+
+    dt = OUT.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(BIAS + wf).to(tl.float32)[None, :]
+        acc_g += tl.load(BIAS + F + wf).to(tl.float32)[None, :]
+    u, _ = _act(acc.to(dt).to(tl.float32), ACT)
+    y = u * acc_g.to(dt).to(tl.float32)
+    mask = (rm < M)[:, None] & (rf < F)[None, :]
+    tl.store(OUT + rm.to(tl.int64)[:, None] * stride_o + rf[None, :], y.to(dt), mask=mask)
+
+
+# (BLOCK_M, BLOCK_F, BLOCK_K, num_warps, num_stages); BLOCK_F per half (two accumulators). The
+# fastest of five tiles on ModernBERT-base's Wi at T = 3,584 on an H100 (history/gemm_probe_*).
+TILE = (128, 64, 64, 8, 3)
+
+
+def linear_glu_fwd(x_TK: Tensor, weight: Tensor, bias: Tensor | None, act: int,
+                   tile: tuple[int, int, int, int, int] = TILE) -> Tensor:
+    """Launch the kernel: (T, F) from checked operands (`linear_glu`); `tile`: the probe's override."""
+    T, K = x_TK.shape
+    F = weight.shape[0] // 2
+    out = torch.empty((T, F), dtype=x_TK.dtype, device=x_TK.device)
+    if T == 0 or F == 0:
+        return out
+    BM, BF, BK, warps, stages = tile
+    launch(_linear_glu_kernel, (cdiv(T, BM) * cdiv(F, BF),), x_TK, weight, weight if bias is None else bias, out,
+           T, F, K, x_TK.stride(0), weight.stride(0), out.stride(0),
+           HAS_BIAS=bias is not None, ACT=act, PRECISION="ieee" if x_TK.dtype == torch.float32 else "tf32",
+           EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_F=BF, BLOCK_K=BK, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return out
+
+
+def _layout(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:
+    """Why the kernel cannot take these operands (None: it can). Host values only."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
+        return (f"x {tuple(x.shape)} @ weight.T {tuple(weight.shape[::-1])}: expected (T, D) @ (D, 2F), input "
+                "rows then as many gate rows")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        return f"bias {tuple(bias.shape)} for {weight.shape[0]} weight rows"
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"x, weight and bias must share a dtype, got {x.dtype} / {weight.dtype}" + (
+            "" if bias is None else f" / {bias.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
+        return "the operands' last dims must be contiguous"
+    return None
+
+
+def covers_linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> bool:
+    """The calls this kernel takes: eager CUDA inference on fp16 / bf16 row-major operands."""
+    return x_TD.dtype in _LOW and direct_launch(x_TD, weight, bias) and _layout(x_TD, weight, bias) is None
 
 
 def linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
-    """act(u[:, :F]) * u[:, F:] with u = x @ weight.T + bias; see `reference.linear_glu`.
+    """act(u[:, :F]) * u[:, F:] with u = x @ weight.T + bias, never written; see `reference.linear_glu`.
 
     Arguments:
         x_TD: (T, D). weight: (2F, D), input rows then gate rows. bias: (2F,) or None.
         act: an HF activation name; an unknown one raises ConfigError.
     Return:
-        (T, F) in x's dtype (in eager inference a view of u with row stride 2F).
+        (T, F) in x's dtype. Forward only: an input that needs a gradient raises InputError.
     """
-    glu._code(act)  # an unknown activation fails before the GEMM runs
-    return glu.glu(F.linear(x_TD, weight, bias), act, overwrite_input=True)
+    code = _code(act)
+    why = _layout(x_TD, weight, bias)
+    if why is None and x_TD.dtype not in (*_LOW, torch.float32):
+        why = f"expected float16, bfloat16 or float32, got {x_TD.dtype}"
+    if why is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_TD, weight, bias)):
+        why = "forward only (no backward): call it under torch.no_grad() / inference_mode, or through the op table"
+    if why is not None:
+        raise InputError(f"triton linear_glu: {why}")
+    return linear_glu_fwd(x_TD, weight, bias, code)

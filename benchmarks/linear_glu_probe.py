@@ -1,0 +1,188 @@
+"""Does the GeGLU gate in the GEMM's epilogue pay? `linear_glu` as its parts (cuBLAS writes u, the
+Triton gate reads it back: `reference.compose_linear_glu` over the "auto" table's `linear` and `glu`)
+vs one Triton GEMM (`kernels/triton/linear_glu.py`), alone and in whole ModernBERT-base forwards.
+
+    PYTHONPATH=. python -m benchmarks.linear_glu_probe --out DIR      # H100 / H200: ~1.5 min
+
+Alone (bf16, ModernBERT-base's Wi: D = 768, F = 1152; T = 3,584, a `query` batch, and 11,264, a
+`doc` batch): each tile of `TILES` is checked against the parts (max abs difference), then
+`host_us` is the enqueue time of one call behind a GPU sleep (what a host-bound batch pays) and
+`device_us` the CUDA-event time of 20 calls queued behind a sleep, / 20 (medians of 7).
+
+Whole forwards (random bf16 weights, the "auto" table with `linear_glu` as its parts, or that table
+with the fused GEMM where it covers the call, alternated over `--rounds` rounds): eager on `query`
+and `doc` batches, and `graphed` on `query` batches: tokens/s over 12 batches x 3, host / device ms
+of one batch (`common.host_device_ms`), max difference of the outputs. Systems
+`packedenc[glu-parts]` / `packedenc[glu-gemm]` (eager), `packedenc+graphs[glu-parts]` /
+`packedenc+graphs[glu-gemm]`. Writes DIR/linear_glu_probe_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks import common, records
+
+D, F = 768, 1152
+TILES = ((128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4))
+
+
+def _host_device_us(fn: Callable[[], Any], calls: int = 20, reps: int = 7) -> tuple[float, float]:
+    host, dev = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(common._sleep_cycles(5.0))
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(common._sleep_cycles(1.0 + 2 * calls * host[-1] / 1e3))  # longer than the enqueue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()  # behind the sleep: the calls are queued before the GPU reaches them
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        dev.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(host), statistics.median(dev)
+
+
+def _tables() -> dict[str, Any]:
+    from packedenc.kernels import get_ops, reference
+    from packedenc.kernels.triton import linear_glu as LG
+
+    base = get_ops("auto", "cuda")
+    parts = reference.compose_linear_glu(base.linear, base.glu)
+
+    def fused(*a: Any, **k: Any) -> Any:
+        return LG.linear_glu(*a, **k) if LG.covers_linear_glu(*a, **k) else parts(*a, **k)
+
+    return {"glu-parts": dataclasses.replace(base, linear_glu=parts),
+            "glu-gemm": dataclasses.replace(base, linear_glu=fused)}
+
+
+def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
+    from packedenc.kernels.triton import glu
+    from packedenc.kernels.triton import linear_glu as LG
+
+    parts = _tables()["glu-parts"].linear_glu
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for T in (3584, 11264):
+        x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(2 * F, D, device="cuda", generator=g) / D**0.5).bfloat16()
+        flop = 2 * T * D * 2 * F
+        with torch.inference_mode():
+            base = parts(x, w, None, "gelu")
+            h, d = _host_device_us(lambda: parts(x, w, None, "gelu"))
+            out.append({**run, "workload": f"wi-{T}", "system": "glu-parts", "host_us": h, "device_us": d,
+                        "tflops": flop / d / 1e6})
+            print(f"Wi T={T:6d} parts             host {h:6.1f} us  device {d:7.2f} us  {flop / d / 1e6:5.0f} TF/s",
+                  flush=True)
+            for t in TILES:
+                def fused(t: tuple = t) -> torch.Tensor:
+                    return LG.linear_glu_fwd(x, w, None, glu._code("gelu"), tile=t)
+                try:
+                    y = fused()
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory)
+                    print(f"Wi T={T:6d} {t}: failed {type(e).__name__}", flush=True)
+                    continue
+                h, d = _host_device_us(fused)
+                rec = {**run, "workload": f"wi-{T}", "system": "glu-gemm", "tile": list(t), "default": t == LG.TILE,
+                       "host_us": h, "device_us": d, "tflops": flop / d / 1e6,
+                       "max_diff_vs_parts": (y.float() - base.float()).abs().max().item()}
+                out.append(rec)
+                print(f"Wi T={T:6d} {str(t):18s} host {h:6.1f} us  device {d:7.2f} us  {rec['tflops']:5.0f} TF/s  "
+                      f"diff {rec['max_diff_vs_parts']:.3g}{'  default' if rec['default'] else ''}", flush=True)
+    return out
+
+
+def whole(run: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
+    import packedenc as pe
+    from packedenc.cudagraphs import graphed
+    from packedenc.models import modernbert
+
+    from benchmarks.workloads import MODERNBERT_WORKLOADS, make_workload
+
+    dev = torch.device("cuda")
+    cfg = modernbert.ModernBertConfig()
+    params = pe.tree_to(pe.init(cfg, torch.Generator().manual_seed(0), dtype=torch.bfloat16), dev)
+    tables = _tables()
+    out = []
+    for workload, graphs in (("query", False), ("doc", False), ("query", True)):
+        w = make_workload(MODERNBERT_WORKLOADS[workload], cfg.vocab_size)
+        batches = [w.batch(i) for i in range(12)]
+        inputs = [(b.ids.to(dev), b.cu_seqlens.to(dev), b.max_seqlen) for b in batches]
+        tokens = sum(b.num_tokens for b in batches)
+        prefix = "packedenc+graphs" if graphs else "packedenc"
+        runs: dict[str, Callable] = {}
+        for name, ops in tables.items():
+            if graphs:
+                ge = graphed(params, max_tokens=16384, max_seqs=256, backend=ops, max_graphs=64)
+                runs[f"{prefix}[{name}]"] = lambda x, ge=ge: ge(*x)
+            else:
+                runs[f"{prefix}[{name}]"] = lambda x, ops=ops: pe.encode(params, *x, backend=ops)
+        res = {k: {"tps": [], "host": [], "dev": []} for k in runs}
+        outs = {}
+        with torch.inference_mode():
+            for name, fn in runs.items():
+                for x in [*inputs, *inputs, *inputs]:  # warm-up: compile, capture
+                    fn(x)
+                outs[name] = fn(inputs[0]).float()
+            for rnd in range(rounds):
+                for name in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+                    fn = runs[name]
+                    torch.cuda.synchronize()
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(3):
+                        for x in inputs:
+                            fn(x)
+                    b.record()
+                    b.synchronize()
+                    res[name]["tps"].append(3 * tokens / (a.elapsed_time(b) / 1e3))
+                    hd = common.host_device_ms([lambda x=x, fn=fn: fn(x) for x in inputs[:3]], dev)
+                    res[name]["host"].append(hd["host_ms"])
+                    res[name]["dev"].append(hd["device_ms"])
+        first = next(iter(outs.values()))
+        for name, r in res.items():
+            rec = {**run, "workload": workload, "system": name, "tokens_per_s": statistics.median(r["tps"]),
+                   "tokens_per_s_rounds": r["tps"], "host_ms": statistics.median(r["host"]),
+                   "device_ms": statistics.median(r["dev"]), "tokens_per_batch": tokens / len(inputs),
+                   "max_diff_vs_parts": (outs[name] - first).abs().max().item()}
+            out.append(rec)
+            print(f"{workload:6s} {name:30s} {rec['tokens_per_s'] / 1e3:8.1f}k tok/s  host {rec['host_ms']:.2f} ms  "
+                  f"device {rec['device_ms']:.2f} ms  diff {rec['max_diff_vs_parts']:.3g}  "
+                  f"(rounds {', '.join(f'{v / 1e3:.0f}k' for v in r['tps'])})", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rounds", type=int, default=8)
+    a = ap.parse_args(argv)
+    gpu = records.gpu_name(torch.device("cuda"))
+    run = {"gpu": gpu, "commit": records.git_commit(), "torch": torch.__version__,
+           "command": "python -m benchmarks.linear_glu_probe " + " ".join(argv if argv is not None else sys.argv[1:])}
+    recs = alone(run) + whole(run, a.rounds)
+    path = Path(a.out) / f"linear_glu_probe_{records.gpu_slug(gpu)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records.replace_text(path, json.dumps(recs, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
