@@ -103,6 +103,7 @@ def fake_cute(monkeypatch):
     monkeypatch.setitem(kernels._IMPLS, "triton", {**kernels._IMPLS["triton"],
                                                    "linear_glu": lambda *a, **k: calls.append("triton")})
     monkeypatch.setitem(kernels._COVERS, ("cute", "linear_glu"), LG.covers_linear_glu)
+    monkeypatch.delitem(kernels._COVERS, ("triton", "linear_glu"), raising=False)  # the spy takes what cute does not
     monkeypatch.setattr(kernels, "_ROUTES", {})  # routed entries are cached by name: build them anew
     monkeypatch.setattr(LG, "_capability", lambda index: (9, 0))
     return calls
@@ -117,7 +118,7 @@ def test_the_auto_row_is_chosen_on_its_record_and_hands_training_on(fake_cute):
     assert choose("linear_glu", "auto", "cuda", every) == "cute[large-pack]>triton"  # training, short packs: triton
     assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "triton"  # without the extra
     assert choose("linear_glu", "cute", "cuda", every) == "cute>triton"
-    assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "reference"
+    assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "linear+glu"  # its parts
     assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k)"
 
 
