@@ -100,30 +100,39 @@ def fake_cute(monkeypatch):
     calls = []
     importlib.import_module("packedenc.kernels.triton")
     monkeypatch.setitem(kernels._IMPLS, "cute", {"linear_glu": lambda *a, **k: calls.append("cute")})
+    # what cute does not take runs the op's parts (the triton row is listed, not chosen): the gate is the spy
     monkeypatch.setitem(kernels._IMPLS, "triton", {**kernels._IMPLS["triton"],
-                                                   "linear_glu": lambda *a, **k: calls.append("triton")})
+                                                   "glu": lambda *a, **k: calls.append("parts")})
+    monkeypatch.setitem(kernels._IMPLS, "reference", {**kernels._IMPLS["reference"],  # no GEMM on fake tensors
+                                                      "linear": lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0])})
     monkeypatch.setitem(kernels._COVERS, ("cute", "linear_glu"), LG.covers_linear_glu)
-    monkeypatch.delitem(kernels._COVERS, ("triton", "linear_glu"), raising=False)  # the spy takes what cute does not
     monkeypatch.setattr(kernels, "_ROUTES", {})  # routed entries are cached by name: build them anew
     monkeypatch.setattr(LG, "_capability", lambda index: (9, 0))
     return calls
+
+
+def _table(backend):
+    """The table's linear_glu entry for `backend` on CUDA with the fixture's backends (composites
+    are built from the same table's parts)."""
+    usable = {"triton", "cute"}.__contains__
+    return kernels._entries(tuple((op, choose(op, backend, "cuda", usable)) for op in kernels.OP_NAMES))["linear_glu"]
 
 
 def test_the_auto_row_is_chosen_on_its_record_and_hands_training_on(fake_cute):
     rows = auto.rows("linear_glu")
     assert [r.name for r in rows] == ["cute[large-pack]", "triton"]
     assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k",) and rows[0].shape == "large-pack"
-    assert rows[1].evidence == auto.DEFAULT[0].evidence  # triton keeps the row it had as the default
+    assert not rows[1].chosen and rows[1].why_not  # the fused Triton GEMM: listed, not chosen yet
     every = {"triton", "flash", "cute"}.__contains__
-    assert choose("linear_glu", "auto", "cuda", every) == "cute[large-pack]>triton"  # training, short packs: triton
-    assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "triton"  # without the extra
-    assert choose("linear_glu", "cute", "cuda", every) == "cute>triton"
+    assert choose("linear_glu", "auto", "cuda", every) == "cute[large-pack]>linear+glu"  # training, short packs
+    assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "linear+glu"  # without the extra
+    assert choose("linear_glu", "cute", "cuda", every) == "cute>linear+glu"
     assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "linear+glu"  # its parts
     assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k)"
 
 
 def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
-    fn = kernels._entry("linear_glu", choose("linear_glu", "cute", "cuda", {"triton", "cute"}.__contains__))
+    fn = _table("cute")
     with FakeTensorMode():
         x = torch.empty(100, 768, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(2304, 768, device="cuda", dtype=torch.bfloat16)
@@ -134,16 +143,16 @@ def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
         fn(x.detach().float(), w.float(), None, "gelu")  # fp32
         with torch.no_grad():
             fn(x, w, None, "gelu")  # inputs that require grad, in inference
-    assert fake_cute == ["cute", "triton", "triton", "triton", "triton", "cute"]
+    assert fake_cute == ["cute", "parts", "parts", "parts", "parts", "cute"]
 
 
 def test_auto_sends_only_large_packs_to_the_cute_gemm(fake_cute):
-    fn = kernels._entry("linear_glu", choose("linear_glu", "auto", "cuda", {"triton", "cute"}.__contains__))
+    fn = _table("auto")
     with FakeTensorMode(), torch.no_grad():
         w = torch.empty(2304, 768, device="cuda", dtype=torch.bfloat16)
         for tokens in (3628, auto.LARGE_PACK - 1, auto.LARGE_PACK, 65536):
             fn(torch.empty(tokens, 768, device="cuda", dtype=torch.bfloat16), w, None, "gelu")
-    assert fake_cute == ["triton", "triton", "cute", "cute"]
+    assert fake_cute == ["parts", "parts", "cute", "cute"]
 
 
 # ---- the kernel lowers without a GPU ---------------------------------------------------------------
