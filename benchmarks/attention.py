@@ -46,7 +46,7 @@ import sys
 import traceback
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -94,6 +94,28 @@ def _cu(lens: list[int]) -> torch.Tensor:
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
     return cu.cuda()
+
+
+class Case(NamedTuple):
+    """One workload's pack for the attention probes: bf16 (T, H, K) q, k, v and an upstream dO."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    cu: torch.Tensor
+    max_seqlen: int
+    window: tuple[int, int]
+    scale: float
+
+
+def probe_case(name: str) -> Case:
+    """`name` ("doc-64k", "doc-64k-window", ...): its seeded lengths, the (64, 64) window for a
+    "-window" suffix, random inputs on the GPU."""
+    lens = lengths(name.removesuffix("-window"))
+    window = WINDOW if name.endswith("-window") else (-1, -1)
+    q, k, v, do = (torch.randn(sum(lens), H, K, device="cuda").to(BF16) for _ in range(4))
+    return Case(q, k, v, do, _cu(lens), max(lens), window, K**-0.5)
 
 
 def median_ms(fn: Callable[[], Any], reps: int = 15, warmup: int = 3) -> float:

@@ -49,10 +49,8 @@ def ab(rounds: int, meta: dict) -> list[dict]:
 
     rows = []
     for wl in ("long", "doc-64k", "mid-64k"):
-        lens = AB.lengths(wl)
-        T, cu, L = sum(lens), AB._cu(lens), max(lens)
-        q, k, v, do = (torch.randn(T, AB.H, AB.K, device="cuda").to(AB.BF16) for _ in range(4))
-        scale = AB.K**-0.5
+        q, k, v, do, cu, L, _, scale = AB.probe_case(wl)
+        T, n_seqs = q.shape[0], cu.numel() - 1
 
         def step(plan):
             f, dq, kv = PLANS[plan]
@@ -69,7 +67,7 @@ def ab(rounds: int, meta: dict) -> list[dict]:
         for p in PLANS:
             m = statistics.median(ms[p])
             rows.append({"workload": wl, "pass": "fwd+bwd", "plan": p, "tiles": [list(t) for t in PLANS[p]], "ms": m,
-                         "rounds_ms": ms[p], "max_diff_vs_pointer": diffs[p], "tokens": T, "sequences": len(lens), **meta})
+                         "rounds_ms": ms[p], "max_diff_vs_pointer": diffs[p], "tokens": T, "sequences": n_seqs, **meta})
             print(f"{wl:10s} fwd+bwd {p:14s} {m:7.3f} ms  {m / base:5.3f}x  diff {diffs[p]:.2e}", flush=True)
     return rows
 
@@ -90,11 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {meta['command']} on {gpu}, commit {meta['commit']}", flush=True)
     rows = ab(a.rounds, meta) if a.ab else []
     for wl in [] if a.ab else a.only.split(","):
-        lens = AB.lengths(wl.removesuffix("-window"))
-        window = AB.WINDOW if wl.endswith("-window") else (-1, -1)
-        T, cu, L = sum(lens), AB._cu(lens), max(lens)
-        q, k, v, do = (torch.randn(T, AB.H, AB.K, device="cuda").to(AB.BF16) for _ in range(4))
-        scale = AB.K**-0.5
+        q, k, v, do, cu, L, window, scale = AB.probe_case(wl)
+        T, n_seqs = q.shape[0], cu.numel() - 1
         o, lse = A.attention_fwd(q, k, v, cu, L, window, scale, lse=True)
         g = attention_bwd(do, q, k, v, o, lse, cu, L, window, scale)
         dq_t, kv_t = A.bwd_tiles(T, L, window, AB.K)
@@ -127,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                 m = statistics.median(ms[t])
                 rows.append({"workload": wl, "pass": p, "tile": list(t), "tma": len(t) > 4 and bool(t[4]),
                              "default": t == tiles[0], "ms": m, "rounds_ms": ms[t], "max_diff_vs_default": diffs[t],
-                             "tokens": T, "sequences": len(lens), **meta})
+                             "tokens": T, "sequences": n_seqs, **meta})
                 print(f"{wl:15s} {p:4s} {str(t):26s} {m:7.3f} ms  {m / base:5.3f}x  diff {diffs[t]:.2e}", flush=True)
     records.replace_text(Path(a.out) / f"attention_tma_{records.gpu_slug(gpu)}.json", json.dumps(rows, indent=1) + "\n")
 
