@@ -10,11 +10,13 @@ Alone (bf16, ModernBERT-base's Wi: D = 768, F = 1152; T = 3,584, a `query` batch
 `device_us` the CUDA-event time of 20 calls queued behind a sleep, / 20 (medians of 7).
 
 Whole forwards (random bf16 weights, the "auto" table with `linear_glu` as its parts, or that table
-with the fused GEMM where it covers the call, alternated over `--rounds` rounds): eager on `query`
-and `doc` batches, and `graphed` on `query` batches: tokens/s over 12 batches x 3, host / device ms
-of one batch (`common.host_device_ms`), max difference of the outputs. Systems
-`packedenc[glu-parts]` / `packedenc[glu-gemm]` (eager), `packedenc+graphs[glu-parts]` /
-`packedenc+graphs[glu-gemm]`. Writes DIR/linear_glu_probe_<gpu>.json.
+with the fused GEMM where it covers the call, at its default tile and at `WIDE`, alternated over
+`--rounds` rounds): eager on `query` batches, on `doc` sequences in batches of 8, 16 and 32 (`doc-b8`,
+`doc-b16`, `doc`: where an eager batch turns from host-bound to device-bound), and `graphed` on `query`
+batches: tokens/s over 12 batches x 3, host / device ms of one batch (`common.host_device_ms`), max
+difference of the outputs. Systems `packedenc[glu-parts]` / `packedenc[glu-gemm]` /
+`packedenc[glu-gemm-n128]` (eager), `packedenc+graphs[...]` the same. Writes
+DIR/linear_glu_probe_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from benchmarks import common, records
 
 D, F = 768, 1152
+WIDE = (128, 128, 64, 8, 3)
 TILES = ((128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4))
 
 
@@ -58,17 +61,25 @@ def _host_device_us(fn: Callable[[], Any], calls: int = 20, reps: int = 7) -> tu
 
 
 def _tables() -> dict[str, Any]:
+    """The "auto" table with `linear_glu` as its parts, with the fused GEMM at its default tile
+    where it covers the call, and with the fused GEMM at the widest tile of `TILES`."""
     from packedenc.kernels import get_ops, reference
+    from packedenc.kernels.triton import glu
     from packedenc.kernels.triton import linear_glu as LG
 
     base = get_ops("auto", "cuda")
     parts = reference.compose_linear_glu(base.linear, base.glu)
 
-    def fused(*a: Any, **k: Any) -> Any:
-        return LG.linear_glu(*a, **k) if LG.covers_linear_glu(*a, **k) else parts(*a, **k)
+    def fused(tile: tuple[int, ...]) -> Callable:
+        def linear_glu(x: Any, w: Any, b: Any = None, act: str = "gelu", **k: Any) -> Any:
+            if LG.covers_linear_glu(x, w, b, act):
+                return LG.linear_glu_fwd(x, w, b, glu._code(act), tile=tile)
+            return parts(x, w, b, act, **k)
+        return linear_glu
 
     return {"glu-parts": dataclasses.replace(base, linear_glu=parts),
-            "glu-gemm": dataclasses.replace(base, linear_glu=fused)}
+            "glu-gemm": dataclasses.replace(base, linear_glu=fused(LG.TILE)),
+            "glu-gemm-n128": dataclasses.replace(base, linear_glu=fused(WIDE))}
 
 
 def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,6 +119,15 @@ def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _mid() -> dict[str, Any]:
+    """`doc` sequences in batches of 8 and 16 (~3.4k, ~6.7k tokens): where eager batches turn from
+    host-bound to device-bound."""
+    import dataclasses as dc
+
+    from benchmarks.workloads import MODERNBERT_WORKLOADS
+    return {f"doc-b{n}": dc.replace(MODERNBERT_WORKLOADS["doc"], name=f"doc-b{n}", batch_size=n) for n in (8, 16)}
+
+
 def whole(run: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     import packedenc as pe
     from packedenc.cudagraphs import graphed
@@ -119,9 +139,12 @@ def whole(run: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     cfg = modernbert.ModernBertConfig()
     params = pe.tree_to(pe.init(cfg, torch.Generator().manual_seed(0), dtype=torch.bfloat16), dev)
     tables = _tables()
+    MID = _mid()
     out = []
-    for workload, graphs in (("query", False), ("doc", False), ("query", True)):
-        w = make_workload(MODERNBERT_WORKLOADS[workload], cfg.vocab_size)
+    specs = {**MODERNBERT_WORKLOADS, **MID}
+    for workload, graphs in (("query", False), ("doc-b8", False), ("doc-b16", False), ("doc", False),
+                             ("query", True)):
+        w = make_workload(specs[workload], cfg.vocab_size)
         batches = [w.batch(i) for i in range(12)]
         inputs = [(b.ids.to(dev), b.cu_seqlens.to(dev), b.max_seqlen) for b in batches]
         tokens = sum(b.num_tokens for b in batches)
