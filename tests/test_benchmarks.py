@@ -364,9 +364,9 @@ def test_the_cute_familys_rival_for_auto_is_auto_without_the_extra(monkeypatch):
     monkeypatch.setitem(kernels._COVERS, ("cute", "linear_glu"), lambda *a, **k: True)
     monkeypatch.setattr(kernels, "_usable_on_cuda", {"reference", "triton", "flash", "cute"}.__contains__)
     chosen = dict(auto_without_cute().chosen)
-    assert chosen["linear_glu"] == "linear+glu" and not any("cute" in b for b in chosen.values())
+    assert chosen["linear_glu"] == "triton[small-uncaptured]>linear+glu" and not any("cute" in b for b in chosen.values())
     assert chosen["rotary_attention"] == "triton[uncaptured]>rotary+varlen_attention"  # auto's own route
-    assert kernels.choose("linear_glu", "auto", "cuda") == "cute[large-pack]>linear+glu"  # the extra's row
+    assert kernels.choose("linear_glu", "auto", "cuda") == "cute[large-pack]>triton[small-uncaptured]>linear+glu"  # the extra's row
 
 
 def test_attention_engine_probe_times_the_training_step_in_both_thread_modes_on_the_cpu():

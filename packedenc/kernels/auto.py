@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["Evidence", "Row", "AUTO_CUDA", "DEFAULT", "SHAPES", "rows", "LONG_SEQLEN", "LARGE_PACK", "MEAN_SEQLEN", "TRAIN_MEAN_SEQLEN",
-           "inference", "long_global", "large_global", "train_global", "large_pack", "uncaptured"]
+           "inference", "long_global", "large_global", "train_global", "large_pack", "uncaptured",
+           "SMALL_PACK", "small_uncaptured"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,23 @@ def large_pack(x_TD: Tensor, *args: object, **kwargs: object) -> bool:
     return x_TD.shape[0] >= LARGE_PACK
 
 
+# The packed tokens below which an eager batch of ModernBERT-base waits for the host rather than
+# the GPU, so that one launch fewer a layer is worth more than a slightly slower kernel: the Triton
+# GEMM with the GeGLU gate in its epilogue takes 31.2 vs 30.3 us of device time at 3.6k rows (cuBLAS
+# then the gate kernel) and 90.0 vs 86.6 at 11.3k, and saves one launch a layer. Eager, it won on
+# `query` (3.5k tokens a batch: 808k vs 695k tokens/s, host 4.27 vs 4.69 ms a batch) and `doc-b8`
+# (3.0k: 607k vs 555k), tied on `doc-b16` (7.3k, where host and device time meet: 5.2-5.5 ms), and
+# lost on `doc` (13.4k, device-bound: 1490k vs 1514k) and in CUDA graphs (query: 1417k vs 1433k;
+# history/linear_glu_probe_h100_5346266.json). The line sits at the tie.
+SMALL_PACK = 8192
+
+
+def small_uncaptured(x_TD: Tensor, *args: object, **kwargs: object) -> bool:
+    """An op call over fewer than SMALL_PACK tokens (its first argument's rows), outside CUDA-graph
+    capture and torch.compile (`uncaptured`)."""
+    return x_TD.shape[0] < SMALL_PACK and uncaptured(x_TD)
+
+
 # The mean sequence length from which FA4 also takes the global layers of large packs (at least
 # LARGE_PACK tokens) whose longest sequence is under LONG_SEQLEN: a 64k pack's device time is what
 # its forward waits for (the host enqueues ahead), and it follows how full FA4's per-sequence tiles
@@ -156,7 +174,8 @@ def uncaptured(*args: object, **kwargs: object) -> bool:
     return t is None or not t.is_cuda or not torch.cuda.is_current_stream_capturing()
 
 
-SHAPES = {"long-global": long_global, "large-global": large_global, "train-global": train_global, "inference": inference, "uncaptured": uncaptured, "large-pack": large_pack}
+SHAPES = {"long-global": long_global, "large-global": large_global, "train-global": train_global, "inference": inference, "uncaptured": uncaptured, "large-pack": large_pack,
+          "small-uncaptured": small_uncaptured}
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -215,12 +234,11 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
     "linear_glu": (  # cute: one GEMM with the gate in its epilogue, inference only (its covers rule), on
         # large packs (LARGE_PACK says why not below)
         Row("cute", Evidence("ops_h200.json", "ms", "packedenc[cute]", "packedenc[triton]", ("geglu-64k",)), "large-pack"),
-        # triton: one GEMM with the gate in its epilogue, eager inference only (its covers rule); the
-        # rest, and everything until it is shown faster, runs the op's parts: cuBLAS, then the gate kernel
-        Row("triton", None,
-            why_not="measured on one workload only: ModernBERT-base eager query 724k vs 692k tokens/s, host 4.77 vs "
-                    "5.02 ms a batch, outputs equal (history/gemm_probe_h100_a41e30d.json: H100, 10 alternated "
-                    "rounds); doc and graphed batches not measured yet (linear_glu_probe)"),
+        # triton: one GEMM with the gate in its epilogue, eager inference only (its covers rule), on
+        # the small packs where an eager batch is host-bound (SMALL_PACK says why not elsewhere); the
+        # rest runs the op's parts: cuBLAS, then the gate kernel
+        Row("triton", Evidence("history/linear_glu_probe_h100_5346266.json", "tokens_per_s", "packedenc[glu-gemm-n128]",
+                               "packedenc[glu-parts]", ("query", "doc-b8", "doc-b16")), "small-uncaptured"),
     ),
     "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens.
         # One launch and one (T, H, K) write fewer per layer on the host-bound short batches; the

@@ -250,7 +250,7 @@ def test_the_table_for_cuda_with_and_without_cute(fake_cute):
     assert choose("varlen_attention", "auto", "cuda", {"triton", "flash"}.__contains__) == "triton"
     assert choose("graph_attention", "auto", "cuda", every) == "triton>flash"
     assert choose("deberta_attention", "auto", "cuda", every) == "triton"
-    assert choose("linear_glu", "auto", "cuda", every) == "linear+glu"
+    assert choose("linear_glu", "auto", "cuda", every) == "triton[small-uncaptured]>linear+glu"
     assert choose("layer_norm", "auto", "cuda", every) == "triton"
     assert choose("linear", "auto", "cuda", every) == "reference"  # cuBLAS through F.linear
     # forced cute: FA4 first, what it does not take to the auto rows; ops it has none of: auto's

@@ -100,9 +100,15 @@ def fake_cute(monkeypatch):
     calls = []
     importlib.import_module("packedenc.kernels.triton")
     monkeypatch.setitem(kernels._IMPLS, "cute", {"linear_glu": lambda *a, **k: calls.append("cute")})
-    # what cute does not take runs the op's parts (the triton row is listed, not chosen): the gate is the spy
+    # what cute does not take goes to the fused Triton GEMM on small packs (its covers rule is the
+    # real one, which fake tensors never meet, so it is stubbed to "inference"), the rest to the
+    # op's parts, whose gate is the spy
     monkeypatch.setitem(kernels._IMPLS, "triton", {**kernels._IMPLS["triton"],
+                                                   "linear_glu": lambda *a, **k: calls.append("triton"),
                                                    "glu": lambda *a, **k: calls.append("parts")})
+    monkeypatch.setitem(kernels._COVERS, ("triton", "linear_glu"), lambda x, w, b=None, act="gelu": (
+        x.dtype in (torch.float16, torch.bfloat16) and not (torch.is_grad_enabled() and x.requires_grad)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setitem(kernels._IMPLS, "reference", {**kernels._IMPLS["reference"],  # no GEMM on fake tensors
                                                       "linear": lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0])})
     monkeypatch.setitem(kernels._COVERS, ("cute", "linear_glu"), LG.covers_linear_glu)
@@ -120,18 +126,19 @@ def _table(backend):
 
 def test_the_auto_row_is_chosen_on_its_record_and_hands_training_on(fake_cute):
     rows = auto.rows("linear_glu")
-    assert [r.name for r in rows] == ["cute[large-pack]", "triton"]
+    assert [r.name for r in rows] == ["cute[large-pack]", "triton[small-uncaptured]"]
     assert rows[0].chosen and rows[0].evidence.workloads == ("geglu-64k",) and rows[0].shape == "large-pack"
-    assert not rows[1].chosen and rows[1].why_not  # the fused Triton GEMM: listed, not chosen yet
+    assert rows[1].chosen and rows[1].evidence.workloads == ("query", "doc-b8", "doc-b16")
     every = {"triton", "flash", "cute"}.__contains__
-    assert choose("linear_glu", "auto", "cuda", every) == "cute[large-pack]>linear+glu"  # training, short packs
-    assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "linear+glu"  # without the extra
-    assert choose("linear_glu", "cute", "cuda", every) == "cute>linear+glu"
+    want = "cute[large-pack]>triton[small-uncaptured]>linear+glu"  # then training and the packs between
+    assert choose("linear_glu", "auto", "cuda", every) == want
+    assert choose("linear_glu", "auto", "cuda", {"triton"}.__contains__) == "triton[small-uncaptured]>linear+glu"
+    assert choose("linear_glu", "cute", "cuda", every) == "cute>triton[small-uncaptured]>linear+glu"  # then auto's
     assert choose("linear_glu", "auto", "cuda", {"flash"}.__contains__) == "linear+glu"  # its parts
     assert str(rows[0].evidence) == "ops_h200.json: packedenc[cute] beats packedenc[triton] on ms (geglu-64k)"
 
 
-def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
+def test_a_forced_cute_table_hands_what_it_does_not_take_to_auto_s_rows(fake_cute):
     fn = _table("cute")
     with FakeTensorMode():
         x = torch.empty(100, 768, device="cuda", dtype=torch.bfloat16)
@@ -143,16 +150,22 @@ def test_a_forced_cute_table_sends_training_and_bias_to_triton(fake_cute):
         fn(x.detach().float(), w.float(), None, "gelu")  # fp32
         with torch.no_grad():
             fn(x, w, None, "gelu")  # inputs that require grad, in inference
-    assert fake_cute == ["cute", "parts", "parts", "parts", "parts", "cute"]
+    assert fake_cute == ["cute", "parts", "triton", "triton", "parts", "cute"]  # bias, silu: the Triton GEMM
 
 
-def test_auto_sends_only_large_packs_to_the_cute_gemm(fake_cute):
+def test_auto_sends_large_packs_to_the_cute_gemm_and_small_eager_ones_to_the_triton_gemm(fake_cute, monkeypatch):
     fn = _table("auto")
     with FakeTensorMode(), torch.no_grad():
         w = torch.empty(2304, 768, device="cuda", dtype=torch.bfloat16)
-        for tokens in (3628, auto.LARGE_PACK - 1, auto.LARGE_PACK, 65536):
+        for tokens in (3628, auto.SMALL_PACK - 1, auto.SMALL_PACK, auto.LARGE_PACK - 1, auto.LARGE_PACK, 65536):
             fn(torch.empty(tokens, 768, device="cuda", dtype=torch.bfloat16), w, None, "gelu")
-    assert fake_cute == ["parts", "parts", "cute", "cute"]
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a CUDA graph's capture
+        fn(torch.empty(3628, 768, device="cuda", dtype=torch.bfloat16), w, None, "gelu")
+    with FakeTensorMode():
+        x = torch.empty(3628, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        fn(x, w, None, "gelu")  # training: the parts
+    assert fake_cute == ["triton", "triton", "parts", "parts", "cute", "cute", "parts", "parts"]
 
 
 # ---- the kernel lowers without a GPU ---------------------------------------------------------------

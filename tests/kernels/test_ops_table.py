@@ -105,7 +105,7 @@ def test_gpu_auto_picks_triton_and_logs_once(caplog):
         assert chosen[op] == "triton", chosen
     # with the cute extra, its measured rows come first and hand the rest to triton
     cute = kernels._load_backend("cute")
-    assert chosen["linear_glu"] == ("cute[large-pack]>linear+glu" if cute else "linear+glu")
+    assert chosen["linear_glu"] == ("cute[large-pack]>" if cute else "") + "triton[small-uncaptured]>linear+glu"
     assert chosen["add_layer_norm"] == "triton"  # quack's is listed, not chosen (auto.py says why)
     assert chosen["varlen_attention"] == ("cute[long-global]>cute[large-global]>triton" if cute else "triton")
     assert sum("backend=auto" in r.getMessage() for r in caplog.records) == 1

@@ -95,8 +95,9 @@ def _linear_glu_kernel(
 
 
 # (BLOCK_M, BLOCK_F, BLOCK_K, num_warps, num_stages); BLOCK_F per half (two accumulators). The
-# fastest of five tiles on ModernBERT-base's Wi at T = 3,584 on an H100 (history/gemm_probe_*).
-TILE = (128, 64, 64, 8, 3)
+# fastest of five tiles on ModernBERT-base's Wi at T = 3,584 and 11,264 on an H100, alone and in
+# whole eager forwards (history/linear_glu_probe_h100_5346266.json: its `glu-gemm-n128`).
+TILE = (128, 128, 64, 8, 3)
 
 
 def linear_glu_fwd(x_TK: Tensor, weight: Tensor, bias: Tensor | None, act: int,
