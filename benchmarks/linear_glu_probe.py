@@ -8,13 +8,16 @@ Alone (bf16, ModernBERT-base's Wi: D = 768, F = 1152; T = 3,584, a `query` batch
 `doc` batch): each tile of `TILES` is checked against the parts (max abs difference), then
 `host_us` is the enqueue time of one call behind a GPU sleep (what a host-bound batch pays) and
 `device_us` the CUDA-event time of 20 calls queued behind a sleep, / 20 (medians of 7).
+The same for mlp_norm + Wi + gate (`norm-wi-<T>`): the LayerNorm kernel then the fused GEMM vs the
+GEMM normalising x on its way in, three tiles, each's error against the fp32 reference.
 
 Whole forwards (random bf16 weights, the "auto" table with `linear_glu` as its parts, or that table
 with the fused GEMM wherever it covers the call, at its default tile, alternated over
 `--rounds` rounds): eager on `query` batches, on `doc` sequences in batches of 8, 16 and 32 (`doc-b8`,
 `doc-b16`, `doc`: where an eager batch turns from host-bound to device-bound), and `graphed` on `query`
 batches: tokens/s over 12 batches x 3, host / device ms of one batch (`common.host_device_ms`), max
-difference of the outputs. Systems `packedenc[glu-parts]` / `packedenc[glu-gemm]` (eager),
+difference of the outputs. Systems `packedenc[glu-parts]` / `packedenc[glu-gemm]` /
+`packedenc[glu-norm]` (the mlp norm inside the fused GEMM as well: `layer_norm_linear_glu`) (eager),
 `packedenc+graphs[...]` the same; the table's own choice (`auto`: the fused GEMM on small eager
 packs only) is not one of them. Writes DIR/linear_glu_probe_<gpu>.json. (At 5346266 a third system,
 `glu-gemm-n128`, ran the tile (128, 128, 64, 8, 3), since the default.)
@@ -61,8 +64,10 @@ def _host_device_us(fn: Callable[[], Any], calls: int = 20, reps: int = 7) -> tu
 
 
 def _tables() -> dict[str, Any]:
-    """The "auto" table with `linear_glu` as its parts, and with the fused GEMM (at its default tile)
-    where that covers the call, whatever the table's own rule."""
+    """The "auto" table with `linear_glu` as its parts (`glu-parts`); with the fused GEMM (at its
+    default tile) wherever that covers the call, whatever the table's own rule (`glu-gemm`); and
+    that with the mlp norm inside the fused GEMM too (`glu-norm`). `layer_norm_linear_glu` is the
+    table's layer_norm then its linear_glu in the first two."""
     from packedenc.kernels import get_ops, reference
     from packedenc.kernels.triton import glu
     from packedenc.kernels.triton import linear_glu as LG
@@ -77,8 +82,18 @@ def _tables() -> dict[str, Any]:
             return parts(x, w, b, act, **k)
         return linear_glu
 
-    return {"glu-parts": dataclasses.replace(base, linear_glu=parts),
-            "glu-gemm": dataclasses.replace(base, linear_glu=fused(LG.TILE))}
+    gemm = fused(LG.TILE)
+    norm_parts = reference.compose_layer_norm_linear_glu(base.layer_norm, gemm)
+
+    def norm_fused(x: Any, nw: Any, nb: Any, eps: float, w: Any, b: Any = None, act: str = "gelu") -> Any:
+        if LG.covers_layer_norm_linear_glu(x, nw, nb, eps, w, b, act):
+            return LG.covered_layer_norm_linear_glu(x, nw, nb, eps, w, b, act)
+        return norm_parts(x, nw, nb, eps, w, b, act)
+
+    return {"glu-parts": dataclasses.replace(base, linear_glu=parts, layer_norm_linear_glu=(
+                reference.compose_layer_norm_linear_glu(base.layer_norm, parts))),
+            "glu-gemm": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_parts),
+            "glu-norm": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_fused)}
 
 
 def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -115,6 +130,35 @@ def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append(rec)
                 print(f"Wi T={T:6d} {str(t):18s} host {h:6.1f} us  device {d:7.2f} us  {rec['tflops']:5.0f} TF/s  "
                       f"diff {rec['max_diff_vs_parts']:.3g}{'  default' if rec['default'] else ''}", flush=True)
+            out += _alone_norm(run, T, x, w, flop)
+    return out
+
+
+def _alone_norm(run: dict[str, Any], T: int, x: torch.Tensor, w: torch.Tensor, flop: float) -> list[dict[str, Any]]:
+    """mlp_norm + Wi + gate: the table's LayerNorm then the fused GEMM, vs the GEMM normalising x
+    itself (`glu-norm`), at the default tile and the next two of `TILES`; max difference of each
+    against the fp32 reference (the parts' rounding of the normalised rows is in the first)."""
+    from packedenc.kernels import get_ops, reference
+    from packedenc.kernels.triton import glu
+    from packedenc.kernels.triton import linear_glu as LG
+
+    ln = get_ops("auto", "cuda").layer_norm
+    nw = (torch.rand(D, device="cuda") + 0.5).bfloat16()
+    xs = (x.float() * 2 + 0.5).bfloat16()  # a mean off zero, as a residual stream has
+    want = reference.layer_norm_linear_glu(xs.float(), nw.float(), None, 1e-5, w.float(), None, "gelu")
+    calls = {"ln+glu-gemm": lambda t: LG.linear_glu_fwd(ln(xs, nw, None, 1e-5), w, None, glu._code("gelu"), tile=t),
+             "glu-norm": lambda t: LG.linear_glu_fwd(xs, w, None, glu._code("gelu"), tile=t, norm_weight=nw)}
+    out = []
+    for t in TILES[:3]:
+        for name, call in calls.items():
+            y = call(t)
+            h, d = _host_device_us(lambda call=call, t=t: call(t))
+            rec = {**run, "workload": f"norm-wi-{T}", "system": name, "tile": list(t), "default": t == LG.TILE,
+                   "host_us": h, "device_us": d, "tflops": flop / d / 1e6,
+                   "max_err_vs_fp32": (y.float() - want).abs().max().item()}
+            out.append(rec)
+            print(f"norm+Wi T={T:6d} {name:12s} {str(t):18s} host {h:6.1f} us  device {d:7.2f} us  "
+                  f"err {rec['max_err_vs_fp32']:.3g}", flush=True)
     return out
 
 

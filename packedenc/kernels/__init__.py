@@ -30,7 +30,8 @@ backend covers AND its shape rule accepts (two rows of one backend: two shape cl
 its own measurement).
 
 Composite ops are two ops in a row that a kernel may fuse: `rotary_attention` is
-`varlen_attention(*rotary(qkv, ...))`, `linear_glu` is `glu(linear(x, W, b))`. Their chain ends with the parts instead of the reference,
+`varlen_attention(*rotary(qkv, ...))`, `linear_glu` is `glu(linear(x, W, b))`, `layer_norm_linear_glu` is
+`linear_glu(layer_norm(x), W, b)`. Their chain ends with the parts instead of the reference,
 named "rotary+varlen_attention": the calls no fused implementation takes run the table's own
 entries of the two parts (whatever serves them), so fusing never changes who serves the rest.
 
@@ -98,6 +99,9 @@ class Ops:
     graph_readout: Callable  # anchor + softmax-weighted neighbours per packed sequence (graph readout)
     linear_cross_entropy: Callable  # per-row CE of x @ W^T + b (MLM decoder + loss; kernels keep no logits)
     rotary_attention: Callable  # varlen_attention(*rotary(qkv, ...)): RoPE read inside the attention where fused
+    # linear_glu(layer_norm(x), W, b): the norm read inside the gated GEMM where fused (after linear_glu:
+    # a composite of a composite is built from the parts' finished entries)
+    layer_norm_linear_glu: Callable
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("backend", "chosen"))
@@ -105,6 +109,7 @@ OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("back
 PARTS: dict[str, tuple[tuple[str, ...], Callable[..., Callable]]] = {
     "rotary_attention": (("rotary", "varlen_attention"), reference.compose_rotary_attention),
     "linear_glu": (("linear", "glu"), reference.compose_linear_glu),
+    "layer_norm_linear_glu": (("layer_norm", "linear_glu"), reference.compose_layer_norm_linear_glu),
 }
 
 _IMPLS: dict[str, dict[str, Callable]] = {"reference": {n: getattr(reference, n) for n in OP_NAMES}}

@@ -240,6 +240,11 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
         Row("triton", Evidence("history/linear_glu_probe_h100_5346266.json", "tokens_per_s", "packedenc[glu-gemm-n128]",
                                "packedenc[glu-parts]", ("query", "doc-b8", "doc-b16")), "small-uncaptured"),
     ),
+    "layer_norm_linear_glu": (  # triton: the linear_glu GEMM normalising x's rows on their way in
+        # (one launch and one (T, D) write fewer a layer), eager inference on small packs as linear_glu's row
+        Row("triton", None, "small-uncaptured",
+            why_not="not measured yet (benchmarks.linear_glu_probe: the norm-fused table against linear_glu's)"),
+    ),
     "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens.
         # One launch and one (T, H, K) write fewer per layer on the host-bound short batches; the
         # GPU pays ~14 us a layer for the in-tile rotation (2.90 vs 2.59 ms a query batch). Not in

@@ -305,10 +305,13 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     if a_TD is not None:
         a_TD = dropout(a_TD, cfg.attention_dropout, seed, i, 1)
 
-    # a_TD and the old residual are dead after the add: the norm may write into them
-    h_TD, residual_TD = _norm(p.mlp_norm, a_TD, residual_TD, eps, ops)
     # Wi's (2F, D) rows are the input half then the gate half: act(h Wi_in^T) * (h Wi_gate^T)
-    g_TF = ops.linear_glu(h_TD, p.mlp.wi.weight, p.mlp.wi.bias, cfg.hidden_activation)
+    if a_TD is None:  # the add is done (inference): the norm is the GEMM's, where the table fuses them
+        g_TF = ops.layer_norm_linear_glu(residual_TD, p.mlp_norm.weight, p.mlp_norm.bias, eps, p.mlp.wi.weight,
+                                         p.mlp.wi.bias, cfg.hidden_activation)
+    else:  # a_TD and the old residual are dead after the add: the norm may write into them
+        h_TD, residual_TD = _norm(p.mlp_norm, a_TD, residual_TD, eps, ops)
+        g_TF = ops.linear_glu(h_TD, p.mlp.wi.weight, p.mlp.wi.bias, cfg.hidden_activation)
     g_TF = dropout(g_TF, cfg.mlp_dropout, seed, i, 2)
     return _project(g_TF, p.mlp.wo, residual_TD, fold, ops)
 

@@ -47,6 +47,8 @@ __all__ = [
     "rotary_attention",
     "compose_rotary_attention",
     "compose_linear_glu",
+    "layer_norm_linear_glu",
+    "compose_layer_norm_linear_glu",
 ]
 
 
@@ -220,6 +222,28 @@ def compose_linear_glu(linear_fn: Callable, glu_fn: Callable) -> Callable:
         return glu_fn(linear_fn(x_TD, weight, bias), act, overwrite_input=True)
 
     return linear_glu
+
+
+def layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                          weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
+    """linear_glu(layer_norm(x, norm_weight, norm_bias, eps), weight, bias, act): a pre-norm gated
+    MLP's norm and input projection as one op (ModernBERT's mlp_norm, Wi and GeGLU in inference,
+    where the residual add sits in the GEMM before it). The normalised rows are rounded to x's
+    dtype, as the two ops round them; one op so that a kernel may normalise x on its way into the
+    GEMM and never write those rows."""
+    return compose_layer_norm_linear_glu(layer_norm, linear_glu)(x_TD, norm_weight, norm_bias, eps, weight, bias, act)
+
+
+def compose_layer_norm_linear_glu(layer_norm_fn: Callable, linear_glu_fn: Callable) -> Callable:
+    """`layer_norm_linear_glu` made of a table's own `layer_norm` and `linear_glu` entries (the
+    end of its chain)."""
+
+    def layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                              weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
+        check_activation(act)  # an unknown activation fails before any kernel runs
+        return linear_glu_fn(layer_norm_fn(x_TD, norm_weight, norm_bias, eps), weight, bias, act)
+
+    return layer_norm_linear_glu
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:

@@ -37,3 +37,5 @@ register_impl("triton", "graph_attention", attention_op.graph_attention, covers=
 register_impl("triton", "rotary_attention", attention_op.rotary_attention, covers=attention_op.covers_rotary_attention)
 # eager inference: one GEMM with the gate in its epilogue; the rest runs the table's linear, then its glu
 register_impl("triton", "linear_glu", linear_glu.covered_linear_glu, covers=linear_glu.covers_linear_glu)
+register_impl("triton", "layer_norm_linear_glu", linear_glu.covered_layer_norm_linear_glu,
+              covers=linear_glu.covers_layer_norm_linear_glu)

@@ -26,7 +26,8 @@ from packedenc.errors import InputError
 from packedenc.kernels.triton._common import cdiv, direct_launch, launch
 from packedenc.kernels.triton.glu import _act, _code
 
-__all__ = ["linear_glu", "covered_linear_glu", "covers_linear_glu", "linear_glu_fwd", "TILE"]
+__all__ = ["linear_glu", "covered_linear_glu", "covers_linear_glu", "linear_glu_fwd", "TILE", "layer_norm_linear_glu",
+           "covered_layer_norm_linear_glu", "covers_layer_norm_linear_glu"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -36,10 +37,13 @@ def _linear_glu_kernel(
     X,  # (M, K), row stride stride_x
     W,  # (2F, K): input rows, then gate rows
     BIAS,  # (2F,) (unread without HAS_BIAS)
+    NW,  # (K,) LayerNorm weight of x's rows (unread without NORM)
     OUT,  # (M, F)
     M, F, K,
     stride_x, stride_w, stride_o,
+    eps,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,  # x is the LayerNorm's input: normalise it on the way (see `layer_norm_linear_glu`)
     ACT: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands (full-precision dots: the CPU tests), else "tf32"
     EVEN_K: tl.constexpr,
@@ -68,6 +72,11 @@ def _linear_glu_kernel(
     g_ptr = w_ptr + F * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    if NORM:  # row sums of x and x^2; column sums of W's rows times the norm weight
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sw = tl.zeros((BLOCK_F,), dtype=tl.float32)
+        sw_g = tl.zeros((BLOCK_F,), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptr)
@@ -78,6 +87,14 @@ def _linear_glu_kernel(
             a = tl.load(x_ptr, mask=kk, other=0.0)
             b = tl.load(w_ptr, mask=kk, other=0.0)
             bg = tl.load(g_ptr, mask=kk, other=0.0)
+        if NORM:
+            gamma = tl.load(NW + k * BLOCK_K + rk, mask=rk < K - k * BLOCK_K, other=0.0).to(tl.float32)[None, :]
+            af = a.to(tl.float32)
+            s1 += tl.sum(af, 1)
+            s2 += tl.sum(af * af, 1)
+            sw += tl.sum(b.to(tl.float32) * gamma, 1)
+            sw_g += tl.sum(bg.to(tl.float32) * gamma, 1)
+            a = (af * gamma).to(a.dtype)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
         acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision=PRECISION)
         x_ptr += BLOCK_K
@@ -85,6 +102,12 @@ def _linear_glu_kernel(
         g_ptr += BLOCK_K
 
     dt = OUT.dtype.element_ty
+    if NORM:  # LN(x) W^T = rstd * ((x * gamma) W^T - mean * (gamma W^T)), the norm without a bias
+        mean = s1 / K
+        rstd = tl.rsqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)[:, None]
+        mean = mean[:, None]
+        acc = rstd * (acc - mean * sw[None, :])
+        acc_g = rstd * (acc_g - mean * sw_g[None, :])
     if HAS_BIAS:
         acc += tl.load(BIAS + wf).to(tl.float32)[None, :]
         acc_g += tl.load(BIAS + F + wf).to(tl.float32)[None, :]
@@ -101,17 +124,21 @@ TILE = (128, 128, 64, 8, 3)
 
 
 def linear_glu_fwd(x_TK: Tensor, weight: Tensor, bias: Tensor | None, act: int,
-                   tile: tuple[int, int, int, int, int] = TILE) -> Tensor:
-    """Launch the kernel: (T, F) from checked operands (`linear_glu`); `tile`: the probe's override."""
+                   tile: tuple[int, int, int, int, int] = TILE, norm_weight: Tensor | None = None,
+                   eps: float = 1e-5) -> Tensor:
+    """Launch the kernel: (T, F) from checked operands (`linear_glu`; with `norm_weight`, x's rows
+    normalised first: `layer_norm_linear_glu`); `tile`: the probe's override."""
     T, K = x_TK.shape
     F = weight.shape[0] // 2
     out = torch.empty((T, F), dtype=x_TK.dtype, device=x_TK.device)
     if T == 0 or F == 0:
         return out
     BM, BF, BK, warps, stages = tile
-    launch(_linear_glu_kernel, (cdiv(T, BM) * cdiv(F, BF),), x_TK, weight, weight if bias is None else bias, out,
-           T, F, K, x_TK.stride(0), weight.stride(0), out.stride(0),
-           HAS_BIAS=bias is not None, ACT=act, PRECISION="ieee" if x_TK.dtype == torch.float32 else "tf32",
+    launch(_linear_glu_kernel, (cdiv(T, BM) * cdiv(F, BF),), x_TK, weight, weight if bias is None else bias,
+           weight if norm_weight is None else norm_weight, out,
+           T, F, K, x_TK.stride(0), weight.stride(0), out.stride(0), float(eps),
+           HAS_BIAS=bias is not None, NORM=norm_weight is not None, ACT=act,
+           PRECISION="ieee" if x_TK.dtype == torch.float32 else "tf32",
            EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_F=BF, BLOCK_K=BK, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
 
@@ -160,3 +187,53 @@ def covered_linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None,
     """The op table's entry: takes only the calls `covers_linear_glu` took (the table asks first), so
     the layout checks are not run twice on the eager path."""
     return linear_glu_fwd(x_TD, weight, bias, _code(act))
+
+
+# ---- with the LayerNorm before it: layer_norm_linear_glu -------------------------------------------
+
+
+def _norm_layout(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None) -> str | None:
+    """Why the kernel cannot normalise x's rows with this norm (None: it can). Host values only."""
+    if norm_bias is not None:
+        return "a LayerNorm with a bias (ModernBERT's have none): the op's parts take it"
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != x.shape[-1]:
+        return f"norm weight {tuple(norm_weight.shape)} for rows of {x.shape[-1]}"
+    if norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        return f"norm weight must be contiguous in x's dtype {x.dtype}, got {norm_weight.dtype}"
+    return None
+
+
+def covers_layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                                 weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> bool:
+    """The calls this kernel takes: `covers_linear_glu`'s, with a LayerNorm without bias."""
+    return (covers_linear_glu(x_TD, weight, bias, act) and direct_launch(norm_weight)
+            and _norm_layout(x_TD, norm_weight, norm_bias) is None)
+
+
+def layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                          weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
+    """linear_glu(layer_norm(x), weight, bias, act) in one GEMM, the normalised rows never written;
+    see `reference.layer_norm_linear_glu`.
+
+    The program sums x's rows and squares as its tiles stream through the K loop and feeds the dot
+    x * norm_weight (rounded to the dtype, where the parts round the normalised rows); the epilogue
+    applies rstd * (acc - mean * (norm_weight W^T)). So the values differ from the parts' by the
+    rounding of x * w instead of (x - mean) * rstd * w: the same size where the mean is small
+    against the rows' spread (a pre-norm residual stream).
+
+    Arguments: x_TD (T, D); norm_weight (D,), norm_bias None (a bias raises InputError), eps; the
+    rest as `linear_glu`. Return: (T, F) in x's dtype. Forward only.
+    """
+    why = _norm_layout(x_TD, norm_weight, norm_bias) if x_TD.dim() == 2 else None
+    if why is None and torch.is_grad_enabled() and norm_weight.requires_grad:
+        why = "forward only (no backward): call it under torch.no_grad() / inference_mode, or through the op table"
+    if why is not None:
+        raise InputError(f"triton layer_norm_linear_glu: {why}")
+    linear_glu(x_TD[:0], weight, bias, act)  # the GEMM's own checks (no launch: no rows)
+    return linear_glu_fwd(x_TD, weight, bias, _code(act), norm_weight=norm_weight, eps=eps)
+
+
+def covered_layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                                  weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
+    """The op table's entry for the calls `covers_layer_norm_linear_glu` took."""
+    return linear_glu_fwd(x_TD, weight, bias, _code(act), norm_weight=norm_weight, eps=eps)
