@@ -243,7 +243,11 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
     "layer_norm_linear_glu": (  # triton: the linear_glu GEMM normalising x's rows on their way in
         # (one launch and one (T, D) write fewer a layer), eager inference on small packs as linear_glu's row
         Row("triton", None, "small-uncaptured",
-            why_not="not measured yet (benchmarks.linear_glu_probe: the norm-fused table against linear_glu's)"),
+            why_not="twice the device time of the LayerNorm kernel + fused GEMM (69.7 vs 35.7 us at 3.6k rows: "
+                    "the per-tile sums of x and of W * norm_weight in the K loop); eager it wins only where the "
+                    "host is slower than that device time: ModernBERT-base query 866k vs 765k tokens/s, doc-b8 "
+                    "658k vs 596k, but doc-b16 1070k vs 1338k and graphed query 1076k vs 1412k "
+                    "(history/linear_glu_probe_h100_6205edd.json, H100), so a faster host would lose on query too"),
     ),
     "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens.
         # One launch and one (T, H, K) write fewer per layer on the host-bound short batches; the
