@@ -173,14 +173,21 @@ def linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: st
         (T, F) in x's dtype. Forward only: an input that needs a gradient raises InputError.
     """
     code = _code(act)
-    why = _layout(x_TD, weight, bias)
-    if why is None and x_TD.dtype not in (*_LOW, torch.float32):
-        why = f"expected float16, bfloat16 or float32, got {x_TD.dtype}"
-    if why is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_TD, weight, bias)):
-        why = "forward only (no backward): call it under torch.no_grad() / inference_mode, or through the op table"
+    why = _unusable(x_TD, weight, bias)
     if why is not None:
         raise InputError(f"triton linear_glu: {why}")
     return linear_glu_fwd(x_TD, weight, bias, code)
+
+
+def _unusable(x_TD: Tensor, *operands: Tensor | None) -> str | None:
+    """Why the public functions refuse these operands (None: they take them): the layout of x,
+    weight, bias, then the dtype, then a gradient that any of them needs."""
+    why = _layout(x_TD, *operands[:2])
+    if why is None and x_TD.dtype not in (*_LOW, torch.float32):
+        why = f"expected float16, bfloat16 or float32, got {x_TD.dtype}"
+    if why is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_TD, *operands)):
+        why = "forward only (no backward): call it under torch.no_grad() / inference_mode, or through the op table"
+    return why
 
 
 def covered_linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> Tensor:
@@ -224,13 +231,13 @@ def layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor |
     Arguments: x_TD (T, D); norm_weight (D,), norm_bias None (a bias raises InputError), eps; the
     rest as `linear_glu`. Return: (T, F) in x's dtype. Forward only.
     """
-    why = _norm_layout(x_TD, norm_weight, norm_bias) if x_TD.dim() == 2 else None
-    if why is None and torch.is_grad_enabled() and norm_weight.requires_grad:
-        why = "forward only (no backward): call it under torch.no_grad() / inference_mode, or through the op table"
+    code = _code(act)
+    why = _unusable(x_TD, weight, bias, norm_weight)
+    if why is None:
+        why = _norm_layout(x_TD, norm_weight, norm_bias)
     if why is not None:
         raise InputError(f"triton layer_norm_linear_glu: {why}")
-    linear_glu(x_TD[:0], weight, bias, act)  # the GEMM's own checks (no launch: no rows)
-    return linear_glu_fwd(x_TD, weight, bias, _code(act), norm_weight=norm_weight, eps=eps)
+    return linear_glu_fwd(x_TD, weight, bias, code, norm_weight=norm_weight, eps=eps)
 
 
 def covered_layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
