@@ -137,3 +137,45 @@ def test_gpu_fused_in_inference_parts_with_gradients_two_x_rule(shape):
     got = ops.layer_norm_linear_glu(leaves[0], leaves[1], None, 1e-5, leaves[2], None, "gelu")
     assert_close_to_ref(got.detach(), want, parts, atol=1e-3, what="parts layer_norm_linear_glu")
     assert all(g is not None for g in torch.autograd.grad(got.float().sum(), leaves))
+
+
+def test_the_column_sums_are_kept_per_weight_and_made_again_after_an_update():
+    x, nw, w, b = _operands(9, 32, 24, torch.float32, True, seed=3)
+    LG._COLSUMS._entries.clear()
+    y = LG.layer_norm_linear_glu(x, nw, None, 1e-5, w, b)
+    assert LG._COLSUMS.holds(w) and len(LG._COLSUMS) == 1
+    kept = LG._colsums(w, nw)
+    assert kept is LG._colsums(w, nw) and torch.allclose(kept, w.float() @ nw.float())
+    with torch.no_grad():
+        w.mul_(-2)  # an optimizer step / copy_: the sums are made again, not read stale
+        nw2 = nw.clone()
+    torch.testing.assert_close(LG.layer_norm_linear_glu(x, nw, None, 1e-5, w, b),
+                               _want(x, nw, w, b, "gelu")[0], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(LG.layer_norm_linear_glu(x, nw, None, 1e-5, w, b), y)
+    torch.testing.assert_close(LG.layer_norm_linear_glu(x, nw2 * 0 + 1, None, 1e-5, w, b),
+                               _want(x, nw2 * 0 + 1, w, b, "gelu")[0], rtol=1e-4, atol=1e-4)  # another norm weight
+    with torch.inference_mode():  # inference tensors keep no version: made per call, never kept
+        xi, nwi, wi, bi = (t.clone() for t in (x, nw, w, b))
+        assert LG._colsums(wi, nwi) is not LG._colsums(wi, nwi) and not LG._COLSUMS.holds(wi)
+        torch.testing.assert_close(LG.layer_norm_linear_glu(xi, nwi, None, 1e-5, wi, bi),
+                                   _want(x, nw, w, b, "gelu")[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_column_sums_are_kept_eagerly_and_made_inside_a_graph_capture():
+    x, nw, w, _ = _operands(3584, 768, 1152, torch.bfloat16, False, device="cuda", seed=5)
+    LG._COLSUMS._entries.clear()
+    with torch.inference_mode():
+        eager = LG.layer_norm_linear_glu(x, nw, None, 1e-5, w)
+        assert LG._COLSUMS.holds(w)
+        w2, nw2 = w.flip(0).contiguous(), (nw * 0.5).contiguous()  # never seen eagerly
+        want2 = LG.layer_norm_linear_glu(x, nw2, None, 1e-5, w2)
+        LG._COLSUMS._entries.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = LG.layer_norm_linear_glu(x, nw, None, 1e-5, w)
+            out2 = LG.layer_norm_linear_glu(x, nw2, None, 1e-5, w2)
+        assert len(LG._COLSUMS) == 0  # nothing from the graph's pool is kept
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(out2, want2)

@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from packedenc.errors import InputError
+from packedenc.kept import Kept, keepable
 from packedenc.kernels.triton._common import cdiv, direct_launch, launch
 from packedenc.kernels.triton.glu import _act, _code
 
@@ -38,6 +39,7 @@ def _linear_glu_kernel(
     W,  # (2F, K): input rows, then gate rows
     BIAS,  # (2F,) (unread without HAS_BIAS)
     NW,  # (K,) LayerNorm weight of x's rows (unread without NORM)
+    SW,  # (2F,) fp32 column sums norm_weight W^T (unread without NORM): kept per weight, see `_colsums`
     OUT,  # (M, F)
     M, F, K,
     stride_x, stride_w, stride_o,
@@ -72,11 +74,9 @@ def _linear_glu_kernel(
     g_ptr = w_ptr + F * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-    if NORM:  # row sums of x and x^2; column sums of W's rows times the norm weight
+    if NORM:  # row sums of x and x^2
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        sw = tl.zeros((BLOCK_F,), dtype=tl.float32)
-        sw_g = tl.zeros((BLOCK_F,), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptr)
@@ -92,8 +92,6 @@ def _linear_glu_kernel(
             af = a.to(tl.float32)
             s1 += tl.sum(af, 1)
             s2 += tl.sum(af * af, 1)
-            sw += tl.sum(b.to(tl.float32) * gamma, 1)
-            sw_g += tl.sum(bg.to(tl.float32) * gamma, 1)
             a = (af * gamma).to(a.dtype)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
         acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision=PRECISION)
@@ -106,8 +104,8 @@ def _linear_glu_kernel(
         mean = s1 / K
         rstd = tl.rsqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)[:, None]
         mean = mean[:, None]
-        acc = rstd * (acc - mean * sw[None, :])
-        acc_g = rstd * (acc_g - mean * sw_g[None, :])
+        acc = rstd * (acc - mean * tl.load(SW + wf)[None, :])
+        acc_g = rstd * (acc_g - mean * tl.load(SW + F + wf)[None, :])
     if HAS_BIAS:
         acc += tl.load(BIAS + wf).to(tl.float32)[None, :]
         acc_g += tl.load(BIAS + F + wf).to(tl.float32)[None, :]
@@ -134,13 +132,33 @@ def linear_glu_fwd(x_TK: Tensor, weight: Tensor, bias: Tensor | None, act: int,
     if T == 0 or F == 0:
         return out
     BM, BF, BK, warps, stages = tile
+    norm = norm_weight is not None
     launch(_linear_glu_kernel, (cdiv(T, BM) * cdiv(F, BF),), x_TK, weight, weight if bias is None else bias,
-           weight if norm_weight is None else norm_weight, out,
+           norm_weight if norm else weight, _colsums(weight, norm_weight) if norm else weight, out,
            T, F, K, x_TK.stride(0), weight.stride(0), out.stride(0), float(eps),
-           HAS_BIAS=bias is not None, NORM=norm_weight is not None, ACT=act,
+           HAS_BIAS=bias is not None, NORM=norm, ACT=act,
            PRECISION="ieee" if x_TK.dtype == torch.float32 else "tf32",
            EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_F=BF, BLOCK_K=BK, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
+
+
+# (id(weight), ...) -> norm_weight W^T: a model's layers, a few models at once
+_COLSUMS = Kept(max_entries=256)
+
+
+def _colsums(weight: Tensor, norm_weight: Tensor) -> Tensor:
+    """(2F,) fp32 sums of each weight row times the norm weight, which the epilogue scales by the
+    rows' means. They depend on the weights only: made once and kept while both are the same tensors
+    at the same versions (`packedenc.kept`), so the K loop reads only x, W and the norm weight and
+    an eager call stays one launch; made per call where a value may not be kept (a CUDA-graph
+    capture: two small launches that the graph replays)."""
+    leaves = (weight, norm_weight)
+    keep = keepable(leaves)
+    hit = _COLSUMS.get(leaves) if keep else None
+    if hit is not None:
+        return hit
+    sums = torch.mv(weight.float(), norm_weight.float())
+    return _COLSUMS.put(leaves, None, sums) if keep else sums
 
 
 def _layout(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:

@@ -12,14 +12,13 @@ F intermediate, V vocab, R = 2 * att_span relative-position rows.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
 from packedenc.errors import ConfigError, InputError
 from packedenc.kernels import Ops, get_ops
+from packedenc.kept import Kept, keepable
 from packedenc.models.common import attention_dropout, dropout, prepare_inputs
 from packedenc.models.deberta.config import DebertaConfig
 from packedenc.models.deberta.params import ConvLayer, DebertaParams, Embeddings, Layer, SelfAttention
@@ -129,10 +128,8 @@ def position_tables(params: DebertaParams, rel_RD: Tensor | None, ops: Ops,
 
 # Inference keeps each params tree's position tables: they depend on the weights only, and making
 # them (a LayerNorm, two weight concatenations and a GEMM) is a tenth of the host time of a short
-# eager batch. id(first leaf) -> (weak references to the leaves, their versions, op table, (rel_RD,
-# tables)); the params dataclasses have slots, so the leaves (tensors) are what is referenced.
-_KEPT: dict[int, tuple[tuple[weakref.ref, ...], tuple[int, ...], tuple, tuple]] = {}
-_KEPT_MAX = 8  # params trees; the oldest entry goes first
+# eager batch. The params dataclasses have slots, so the leaves (tensors) are what is referenced.
+_KEPT = Kept(max_entries=8)  # params trees; the oldest entry goes first
 
 
 def _table_leaves(params: DebertaParams) -> list[Tensor]:
@@ -148,40 +145,22 @@ def _table_leaves(params: DebertaParams) -> list[Tensor]:
     return [t for t in out if t is not None]
 
 
-def position_inputs(params: DebertaParams, ops: Ops, seed: int | None, device: torch.device
-                    ) -> tuple[Tensor | None, list]:
+def position_inputs(params: DebertaParams, ops: Ops, seed: int | None) -> tuple[Tensor | None, list]:
     """(rel_RD, `position_tables`) of one forward. Without gradients they are made once per params
     tree and reused while every tensor they come from is the same one at the same version (an
     in-place update, e.g. an optimizer step or `copy_`, makes them again) and the op table is the
-    same. Kept only outside a trace and, on CUDA, on the device's default stream: a CUDA-graph
-    capture and its warm-up run on a side stream and allocate from the graph's memory pool, which
-    kept tensors must not hold, and a table made on one stream would be read unsynchronised on
-    another. Inference tensors (params made under `torch.inference_mode`) keep no version: not kept."""
-    keep = (seed is None and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and (device.type != "cuda" or torch.cuda.current_stream(device) == torch.cuda.default_stream(device)))
+    same; never under dropout, nor where `kept.keepable` says no (a trace, a side stream such as a
+    CUDA-graph capture's, params made under `torch.inference_mode`)."""
+    keep = seed is None and not torch.is_grad_enabled()
     leaves = _table_leaves(params) if keep else []
-    keep = bool(leaves) and not any(t.is_inference() for t in leaves)
+    keep = keep and keepable(leaves)
     if keep:
-        versions = tuple(t._version for t in leaves)
-        hit = _KEPT.get(id(leaves[0]))
-        if (hit is not None and hit[1] == versions and hit[2] == ops.chosen and len(hit[0]) == len(leaves)
-                and all(r() is t for r, t in zip(hit[0], leaves))):
-            return hit[3]
+        hit = _KEPT.get(leaves, ops.chosen)
+        if hit is not None:
+            return hit
     rel_RD = rel_embeddings(params, ops)
     value = (rel_RD, position_tables(params, rel_RD, ops, seed))
-    if keep:
-        _KEPT.pop(id(leaves[0]), None)
-        while len(_KEPT) >= _KEPT_MAX:
-            del _KEPT[next(iter(_KEPT))]
-        refs = (weakref.ref(leaves[0], _forget), *(weakref.ref(t) for t in leaves[1:]))  # dropped with the tree
-        _KEPT[id(leaves[0])] = (refs, versions, ops.chosen, value)
-    return value
-
-
-def _forget(ref: weakref.ref) -> None:
-    for k, entry in list(_KEPT.items()):
-        if entry[0][0] is ref:
-            del _KEPT[k]
+    return _KEPT.put(leaves, ops.chosen, value) if keep else value
 
 
 def layer(p: Layer, x_TD: Tensor, cu_seqlens: Tensor, max_seqlen: int, pos_key_RHK: Tensor | None,
@@ -306,7 +285,7 @@ def encode(
     # Position tables depend on the weights only: computed once per forward, before the layers
     # (under `checkpoint` they are inputs of the recomputed layers, kept: (R, H, K) per layer);
     # without gradients, once per params tree (`position_inputs`).
-    rel_RD, tables = position_inputs(params, ops, seed, ids.device)
+    rel_RD, tables = position_inputs(params, ops, seed)
     # Longest sequences first: the attention kernel's programs then end in a full last wave
     # (computed once per forward; the CPU reference has no waves).
     seq_order = longest_first(cu_seqlens) if ids.is_cuda else None
