@@ -243,8 +243,9 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
     "layer_norm_linear_glu": (  # triton: the linear_glu GEMM normalising x's rows on their way in
         # (one launch and one (T, D) write fewer a layer), eager inference on small packs as linear_glu's row
         Row("triton", None, "small-uncaptured",
-            why_not="twice the device time of the LayerNorm kernel + fused GEMM (69.7 vs 35.7 us at 3.6k rows: "
-                    "the per-tile sums of x and of W * norm_weight in the K loop); eager it wins only where the "
+            why_not="measured at twice the device time of the LayerNorm kernel + fused GEMM (69.7 vs 35.7 us at "
+                    "3.6k rows) while the K loop also summed W * norm_weight, which is now kept per weight "
+                    "(`_colsums`) and not yet remeasured; eager it won only where the "
                     "host is slower than that device time: ModernBERT-base query 866k vs 765k tokens/s, doc-b8 "
                     "658k vs 596k, but doc-b16 1070k vs 1338k and graphed query 1076k vs 1412k "
                     "(history/linear_glu_probe_h100_6205edd.json, H100), so a faster host would lose on query too"),
