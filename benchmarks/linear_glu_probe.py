@@ -9,7 +9,10 @@ Alone (bf16, ModernBERT-base's Wi: D = 768, F = 1152; T = 3,584, a `query` batch
 `host_us` is the enqueue time of one call behind a GPU sleep (what a host-bound batch pays) and
 `device_us` the CUDA-event time of 20 calls queued behind a sleep, / 20 (medians of 7).
 The same for mlp_norm + Wi + gate (`norm-wi-<T>`): the LayerNorm kernel then the fused GEMM vs the
-GEMM normalising x on its way in, three tiles, each's error against the fp32 reference.
+GEMM normalising x on its way in, three tiles, each's error against the fp32 reference; and for
+attn_norm + Wqkv (`norm-wqkv-<T>`, N = 3D): the op's parts (the LayerNorm kernel, then cuBLAS) vs
+the ungated GEMM normalising x (`layer_norm_linear`) at `QKV_TILES`, and that GEMM without the norm
+after the LayerNorm kernel (`ln+gemm`: what the plain projection costs on our GEMM).
 
 Whole forwards (random bf16 weights, the "auto" table with `linear_glu` as its parts, or that table
 with the fused GEMM wherever it covers the call, at its default tile, alternated over
@@ -17,7 +20,8 @@ with the fused GEMM wherever it covers the call, at its default tile, alternated
 `doc-b16`, `doc`: where an eager batch turns from host-bound to device-bound), and `graphed` on `query`
 batches: tokens/s over 12 batches x 3, host / device ms of one batch (`common.host_device_ms`), max
 difference of the outputs. Systems `packedenc[glu-parts]` / `packedenc[glu-gemm]` /
-`packedenc[glu-norm]` (the mlp norm inside the fused GEMM as well: `layer_norm_linear_glu`) (eager),
+`packedenc[glu-norm]` (the mlp norm inside the fused GEMM as well: `layer_norm_linear_glu`),
+`packedenc[glu-norm+qkv]` (and the attention norm inside the Wqkv GEMM: `layer_norm_linear`) (eager),
 `packedenc+graphs[...]` the same; the table's own choice (`auto`: the fused GEMM on small eager
 packs only) is not one of them. Writes DIR/linear_glu_probe_<gpu>.json. (At 5346266 a third system,
 `glu-gemm-n128`, ran the tile (128, 128, 64, 8, 3), since the default.)
@@ -40,6 +44,7 @@ from benchmarks import common, records
 
 D, F = 768, 1152
 TILES = ((128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4))
+QKV_TILES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4))
 
 
 def _host_device_us(fn: Callable[[], Any], calls: int = 20, reps: int = 7) -> tuple[float, float]:
@@ -66,13 +71,16 @@ def _host_device_us(fn: Callable[[], Any], calls: int = 20, reps: int = 7) -> tu
 def _tables() -> dict[str, Any]:
     """The "auto" table with `linear_glu` as its parts (`glu-parts`); with the fused GEMM (at its
     default tile) wherever that covers the call, whatever the table's own rule (`glu-gemm`); and
-    that with the mlp norm inside the fused GEMM too (`glu-norm`). `layer_norm_linear_glu` is the
-    table's layer_norm then its linear_glu in the first two."""
+    that with the mlp norm inside the fused GEMM too (`glu-norm`), and with the attention norm inside
+    the Wqkv GEMM as well (`glu-norm+qkv`). `layer_norm_linear_glu` is the table's layer_norm then
+    its linear_glu in the first two, `layer_norm_linear` the table's own entry but in the last."""
     from packedenc.kernels import get_ops, reference
     from packedenc.kernels.triton import glu
+    from packedenc.kernels.triton import layer_norm_linear as LL
     from packedenc.kernels.triton import linear_glu as LG
 
     base = get_ops("auto", "cuda")
+    qkv_parts = reference.compose_layer_norm_linear(base.layer_norm, base.linear)
     parts = reference.compose_linear_glu(base.linear, base.glu)
 
     def fused(tile: tuple[int, ...]) -> Callable:
@@ -90,10 +98,18 @@ def _tables() -> dict[str, Any]:
             return LG.covered_layer_norm_linear_glu(x, nw, nb, eps, w, b, act)
         return norm_parts(x, nw, nb, eps, w, b, act)
 
+    def qkv_fused(x: Any, nw: Any, nb: Any, eps: float, w: Any, b: Any = None) -> Any:
+        if LL.covers_layer_norm_linear(x, nw, nb, eps, w, b):
+            return LL.covered_layer_norm_linear(x, nw, nb, eps, w, b)
+        return qkv_parts(x, nw, nb, eps, w, b)
+
+    unfused = {"layer_norm_linear": qkv_parts}
     return {"glu-parts": dataclasses.replace(base, linear_glu=parts, layer_norm_linear_glu=(
-                reference.compose_layer_norm_linear_glu(base.layer_norm, parts))),
-            "glu-gemm": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_parts),
-            "glu-norm": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_fused)}
+                reference.compose_layer_norm_linear_glu(base.layer_norm, parts)), **unfused),
+            "glu-gemm": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_parts, **unfused),
+            "glu-norm": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_fused, **unfused),
+            "glu-norm+qkv": dataclasses.replace(base, linear_glu=gemm, layer_norm_linear_glu=norm_fused,
+                                                layer_norm_linear=qkv_fused)}
 
 
 def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -131,6 +147,45 @@ def alone(run: dict[str, Any]) -> list[dict[str, Any]]:
                 print(f"Wi T={T:6d} {str(t):18s} host {h:6.1f} us  device {d:7.2f} us  {rec['tflops']:5.0f} TF/s  "
                       f"diff {rec['max_diff_vs_parts']:.3g}{'  default' if rec['default'] else ''}", flush=True)
             out += _alone_norm(run, T, x, w, flop)
+            out += _alone_qkv(run, T, x)
+    return out
+
+
+def _alone_qkv(run: dict[str, Any], T: int, x: torch.Tensor) -> list[dict[str, Any]]:
+    """attn_norm + Wqkv (N = 3D): the op's parts (the table's LayerNorm, then cuBLAS), the LayerNorm
+    then our ungated GEMM (`ln+gemm`), and that GEMM normalising x itself (`norm-gemm`) at each of
+    `QKV_TILES`; max error of each against the fp32 reference."""
+    from packedenc.kernels import get_ops, reference
+    from packedenc.kernels.triton import linear_glu as LG
+
+    base = get_ops("auto", "cuda")
+    ln = base.layer_norm
+    parts = reference.compose_layer_norm_linear(ln, base.linear)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(3 * D, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    nw = (torch.rand(D, device="cuda", generator=g) + 0.5).bfloat16()
+    xs = (x.float() * 2 + 0.5).bfloat16()
+    flop = 2 * T * D * 3 * D
+    want = reference.layer_norm_linear(xs.float(), nw.float(), None, 1e-5, w.float(), None)
+    calls: list[tuple[str, Any, Callable[[], torch.Tensor]]] = [("parts", None, lambda: parts(xs, nw, None, 1e-5, w))]
+    for t in QKV_TILES:
+        calls.append(("ln+gemm", t, lambda t=t: LG.linear_glu_fwd(ln(xs, nw, None, 1e-5), w, None, None, tile=t)))
+        calls.append(("norm-gemm", t, lambda t=t: LG.linear_glu_fwd(xs, w, None, None, tile=t, norm_weight=nw)))
+    out = []
+    for name, t, call in calls:
+        try:
+            y = call()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit (shared memory)
+            print(f"norm+Wqkv T={T:6d} {name} {t}: failed {type(e).__name__}", flush=True)
+            continue
+        h, d = _host_device_us(call)
+        rec = {**run, "workload": f"norm-wqkv-{T}", "system": name, "tile": None if t is None else list(t),
+               "default": t == LG.TILE_LINEAR, "host_us": h, "device_us": d, "tflops": flop / d / 1e6,
+               "max_err_vs_fp32": (y.float() - want).abs().max().item()}
+        out.append(rec)
+        print(f"norm+Wqkv T={T:6d} {name:10s} {str(t):18s} host {h:6.1f} us  device {d:7.2f} us  "
+              f"{rec['tflops']:5.0f} TF/s  err {rec['max_err_vs_fp32']:.3g}", flush=True)
     return out
 
 

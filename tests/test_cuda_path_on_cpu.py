@@ -134,6 +134,34 @@ def test_inference_through_the_kernels_equals_the_reference(model, cpu_as_cuda):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_modernbert_fp16_inference_through_every_fused_gemm(cpu_as_cuda):
+    """backend="triton" on fp16: each layer's norms read inside the GEMMs after them
+    (`layer_norm_linear` for Wqkv, `layer_norm_linear_glu` for Wi, the gate in its epilogue),
+    so the only LayerNorm launch left is the final norm's; bounds-checked, and within twice the
+    plain fp16 reference's error of the fp32 reference."""
+    from tests.kernels._bounds import bounds_checked
+
+    usable = {"triton", "reference"}.__contains__
+    chosen = tuple((op, K.choose(op, "triton", "cuda", usable)) for op in K.OP_NAMES)
+    ops = K.Ops(backend="triton", chosen=chosen, **K._entries(chosen))
+    assert dict(chosen)["layer_norm_linear"] == "triton>layer_norm+linear"
+    cfg = _models()["modernbert"]
+    g = torch.Generator().manual_seed(2)
+    params = pe.init(cfg, g)
+    half = pe.tree_cast(params, torch.float16)
+    b = pe.pack([torch.randint(3, cfg.vocab_size, (n,), generator=g) for n in LENGTHS])
+    with torch.inference_mode():
+        want = pe.encode(params, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference")
+        plain = pe.encode(half, b.ids, b.cu_seqlens, b.max_seqlen, backend="reference").float()
+        with bounds_checked() as launched:
+            got = pe.encode(half, b.ids, b.cu_seqlens, b.max_seqlen, backend=ops).float()
+    # layer 0: Wi only (its attention norm is the embedding's); layer 1: Wqkv and Wi
+    assert launched.count("linear_glu._linear_glu_kernel") == 3, launched
+    assert launched.count("layer_norm_kernels._ln_fwd_kernel") == 1, launched
+    base = (plain - want).abs().max().item()
+    assert (got - want).abs().max().item() <= 2 * base + 1e-3, (base, (got - want).abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_graph_transformer_through_the_kernels_equals_the_reference(dtype, cpu_as_cuda):
     """GiGL's encoder (anchor-neighbour readout, hop embedding, anchor-relative attention bias):

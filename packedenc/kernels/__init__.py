@@ -30,8 +30,9 @@ backend covers AND its shape rule accepts (two rows of one backend: two shape cl
 its own measurement).
 
 Composite ops are two ops in a row that a kernel may fuse: `rotary_attention` is
-`varlen_attention(*rotary(qkv, ...))`, `linear_glu` is `glu(linear(x, W, b))`, `layer_norm_linear_glu` is
-`linear_glu(layer_norm(x), W, b)`. Their chain ends with the parts instead of the reference,
+`varlen_attention(*rotary(qkv, ...))`, `linear_glu` is `glu(linear(x, W, b))`,
+`layer_norm_linear_glu` is `linear_glu(layer_norm(x), W, b)`, `layer_norm_linear` is
+`linear(layer_norm(x), W, b)`. Their chain ends with the parts instead of the reference,
 named "rotary+varlen_attention": the calls no fused implementation takes run the table's own
 entries of the two parts (whatever serves them), so fusing never changes who serves the rest.
 
@@ -102,6 +103,7 @@ class Ops:
     # linear_glu(layer_norm(x), W, b): the norm read inside the gated GEMM where fused (after linear_glu:
     # a composite of a composite is built from the parts' finished entries)
     layer_norm_linear_glu: Callable
+    layer_norm_linear: Callable  # linear(layer_norm(x), W, b): the norm read inside the GEMM where fused (Wqkv)
 
 
 OP_NAMES = tuple(f.name for f in dataclasses.fields(Ops) if f.name not in ("backend", "chosen"))
@@ -110,6 +112,7 @@ PARTS: dict[str, tuple[tuple[str, ...], Callable[..., Callable]]] = {
     "rotary_attention": (("rotary", "varlen_attention"), reference.compose_rotary_attention),
     "linear_glu": (("linear", "glu"), reference.compose_linear_glu),
     "layer_norm_linear_glu": (("layer_norm", "linear_glu"), reference.compose_layer_norm_linear_glu),
+    "layer_norm_linear": (("layer_norm", "linear"), reference.compose_layer_norm_linear),
 }
 
 _IMPLS: dict[str, dict[str, Callable]] = {"reference": {n: getattr(reference, n) for n in OP_NAMES}}

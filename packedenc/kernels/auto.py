@@ -250,6 +250,14 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
                     "658k vs 596k, but doc-b16 1070k vs 1338k and graphed query 1076k vs 1412k "
                     "(history/linear_glu_probe_h100_6205edd.json, H100), so a faster host would lose on query too"),
     ),
+    "layer_norm_linear": (  # triton: the same GEMM without the gate, normalising x's rows before Wqkv
+        # (one launch fewer a layer), eager inference on small packs
+        Row("triton", None, "small-uncaptured",
+            why_not="not yet measured: it replaces the LayerNorm kernel and cuBLAS's Wqkv GEMM, and cuBLAS "
+                    "beats this GEMM on plain projections' device time (Wqkv 21.5 vs 26.7 us at 3.6k rows, "
+                    "history/gemm_probe_h100_a41e30d.json), so it wins only where the saved launch outweighs that (benchmarks/linear_glu_probe.py's "
+                    "norm-wqkv case and glu-norm+qkv system measure it)"),
+    ),
     "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens.
         # One launch and one (T, H, K) write fewer per layer on the host-bound short batches; the
         # GPU pays ~14 us a layer for the in-tile rotation (2.90 vs 2.59 ms a query batch). Not in

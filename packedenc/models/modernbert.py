@@ -290,11 +290,15 @@ def layer(p: Layer, delta_TD: Tensor | None, residual_TD: Tensor, cu_seqlens: Te
     theta = cfg.global_rope_theta if is_global else cfg.local_rope_theta
     fold = seed is None and not torch.is_grad_enabled()  # inference: see above
 
+    wqkv = p.attn.wqkv
     if p.attn_norm is None:  # layer 0: the embedding norm already normalised (HF: nn.Identity)
-        h_TD = residual_TD
+        qkv_TN = ops.linear(residual_TD, wqkv.weight, wqkv.bias)
+    elif delta_TD is None:  # the add is done (inference): the norm is the GEMM's, where the table fuses them
+        qkv_TN = ops.layer_norm_linear(residual_TD, p.attn_norm.weight, p.attn_norm.bias, eps, wqkv.weight, wqkv.bias)
     else:
         h_TD, residual_TD = _norm(p.attn_norm, delta_TD, residual_TD, eps, ops)
-    qkv_T3HK = ops.linear(h_TD, p.attn.wqkv.weight, p.attn.wqkv.bias).view(T, 3, H, K)
+        qkv_TN = ops.linear(h_TD, wqkv.weight, wqkv.bias)
+    qkv_T3HK = qkv_TN.view(T, 3, H, K)
     # RoPE (positions restart per sequence), then attention: one kernel where the table fuses
     # them, else rotary and varlen_attention. qkv is this layer's own temporary: kernels may
     # overwrite it in inference.

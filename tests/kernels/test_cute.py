@@ -356,7 +356,7 @@ def test_describe_ops_names_every_op_its_choice_and_why():
     assert lines[0] == "packedenc ops, backend='auto' on cpu"
     for op in OP_NAMES:  # a composite op runs its parts (the reference ones here)
         want = {"rotary_attention": "rotary+varlen_attention", "linear_glu": "linear+glu",
-                "layer_norm_linear_glu": "layer_norm+linear_glu"}.get(op, "reference")
+                "layer_norm_linear_glu": "layer_norm+linear_glu", "layer_norm_linear": "layer_norm+linear"}.get(op, "reference")
         assert any(line.split()[:2] == [op, want] for line in lines), op
     assert "rotary then varlen_attention, as the table serves them" in text
     cuda = describe_ops("auto", "cuda")

@@ -30,6 +30,7 @@ def test_cpu_uses_the_reference_and_a_forced_gpu_backend_is_an_error():
         assert chosen.pop("rotary_attention") == "rotary+varlen_attention"
         assert chosen.pop("linear_glu") == "linear+glu"
         assert chosen.pop("layer_norm_linear_glu") == "layer_norm+linear_glu"
+        assert chosen.pop("layer_norm_linear") == "layer_norm+linear"
         assert all(b == "reference" for b in chosen.values()), (backend, ops.chosen)
         assert len(ops.chosen) == len(OP_NAMES)
     for backend in ("triton", "flash", "cute"):  # the caller asked for a kernel that cannot run there: say so

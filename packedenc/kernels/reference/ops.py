@@ -49,6 +49,8 @@ __all__ = [
     "compose_linear_glu",
     "layer_norm_linear_glu",
     "compose_layer_norm_linear_glu",
+    "layer_norm_linear",
+    "compose_layer_norm_linear",
 ]
 
 
@@ -244,6 +246,27 @@ def compose_layer_norm_linear_glu(layer_norm_fn: Callable, linear_glu_fn: Callab
         return linear_glu_fn(layer_norm_fn(x_TD, norm_weight, norm_bias, eps), weight, bias, act)
 
     return layer_norm_linear_glu
+
+
+def layer_norm_linear(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                      weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear(layer_norm(x, norm_weight, norm_bias, eps), weight, bias): a pre-norm block's norm and
+    input projection as one op (ModernBERT's attn_norm and Wqkv in inference, where the residual
+    add sits in the GEMM before it). The normalised rows are rounded to x's dtype, as the two ops
+    round them; one op so that a kernel may normalise x on its way into the GEMM and never write
+    those rows.
+    Return: (T, N) for weight (N, D) in HF's (out, in) layout."""
+    return compose_layer_norm_linear(layer_norm, linear)(x_TD, norm_weight, norm_bias, eps, weight, bias)
+
+
+def compose_layer_norm_linear(layer_norm_fn: Callable, linear_fn: Callable) -> Callable:
+    """`layer_norm_linear` made of a table's own `layer_norm` and `linear` entries (the end of its chain)."""
+
+    def layer_norm_linear(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
+                          weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return linear_fn(layer_norm_fn(x_TD, norm_weight, norm_bias, eps), weight, bias)
+
+    return layer_norm_linear
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:

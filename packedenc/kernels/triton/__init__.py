@@ -9,14 +9,16 @@ graph_attention entries). Each op is a `torch.library.triton_op` `packedenc::<op
 reference; CUDA: the Triton kernel, which a trace records through `wrap_triton`; the DeBERTa
 attention is a plain custom op, `deberta/op.py` says why), with autograd registered, and the
 functions registered here have the reference signatures, so the table calls either interchangeably. `linear_glu.py` is a forward-only GEMM with the GeGLU
-gate in its epilogue (eager inference; the op table runs the op's parts, cuBLAS then `glu`, elsewhere).
+gate in its epilogue (eager inference; the op table runs the op's parts, cuBLAS then `glu`, elsewhere),
+and with a LayerNorm prologue (`layer_norm_linear_glu`); `layer_norm_linear.py` is the same GEMM
+without the gate, for the norm before an attention's Wqkv.
 """
 
 from packedenc.kernels import register_impl
 from packedenc.kernels.triton import (
     activation, attention_op, cross_entropy, deberta, glu, layer_norm, rotary,
 )
-from packedenc.kernels.triton import graph_readout, linear_glu
+from packedenc.kernels.triton import graph_readout, layer_norm_linear, linear_glu
 
 for _name, _fn in (
     ("layer_norm", layer_norm.layer_norm),
@@ -39,3 +41,6 @@ register_impl("triton", "rotary_attention", attention_op.rotary_attention, cover
 register_impl("triton", "linear_glu", linear_glu.covered_linear_glu, covers=linear_glu.covers_linear_glu)
 register_impl("triton", "layer_norm_linear_glu", linear_glu.covered_layer_norm_linear_glu,
               covers=linear_glu.covers_layer_norm_linear_glu)
+# the same GEMM without the gate: the norm before Wqkv; the rest runs the table's layer_norm, then its linear
+register_impl("triton", "layer_norm_linear", layer_norm_linear.covered_layer_norm_linear,
+              covers=layer_norm_linear.covers_layer_norm_linear)

@@ -13,6 +13,9 @@ operands, in eager CUDA execution; the op table (`kernels/auto.py`) says where i
 
 Rows past T and columns past F read row T - 1 / column F - 1 (in bounds, never stored), so the
 loads need no mask; only a K that is not a multiple of BLOCK_K masks its last step.
+
+The same kernel, with GATED off, is a plain projection (one accumulator, no gate): what
+`layer_norm_linear.py` launches with the NORM prologue for the norm before an attention's Wqkv.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ _LOW = (torch.float16, torch.bfloat16)
 @triton.jit
 def _linear_glu_kernel(
     X,  # (M, K), row stride stride_x
-    W,  # (2F, K): input rows, then gate rows
-    BIAS,  # (2F,) (unread without HAS_BIAS)
+    W,  # (2F, K): input rows, then gate rows; ungated (not GATED): (F, K)
+    BIAS,  # (2F,) / (F,) (unread without HAS_BIAS)
     NW,  # (K,) LayerNorm weight of x's rows (unread without NORM)
-    SW,  # (2F,) fp32 column sums norm_weight W^T (unread without NORM): kept per weight, see `_colsums`
+    SW,  # (2F,) / (F,) fp32 column sums norm_weight W^T (unread without NORM): kept per weight, see `_colsums`
     OUT,  # (M, F)
     M, F, K,
     stride_x, stride_w, stride_o,
     eps,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,  # False: a plain projection x @ W^T + b, one accumulator (`layer_norm_linear`)
     NORM: tl.constexpr,  # x is the LayerNorm's input: normalise it on the way (see `layer_norm_linear_glu`)
     ACT: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands (full-precision dots: the CPU tests), else "tf32"
@@ -71,9 +75,10 @@ def _linear_glu_kernel(
     wf = tl.minimum(rf, F - 1).to(tl.int64)
     x_ptr = X + xm[:, None] * stride_x + rk[None, :]
     w_ptr = W + wf[:, None] * stride_w + rk[None, :]
-    g_ptr = w_ptr + F * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    if GATED:
+        g_ptr = w_ptr + F * stride_w
+        acc_g = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
     if NORM:  # row sums of x and x^2
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -81,12 +86,14 @@ def _linear_glu_kernel(
         if EVEN_K:
             a = tl.load(x_ptr)
             b = tl.load(w_ptr)
-            bg = tl.load(g_ptr)
+            if GATED:
+                bg = tl.load(g_ptr)
         else:
             kk = (rk < K - k * BLOCK_K)[None, :]
             a = tl.load(x_ptr, mask=kk, other=0.0)
             b = tl.load(w_ptr, mask=kk, other=0.0)
-            bg = tl.load(g_ptr, mask=kk, other=0.0)
+            if GATED:
+                bg = tl.load(g_ptr, mask=kk, other=0.0)
         if NORM:
             gamma = tl.load(NW + k * BLOCK_K + rk, mask=rk < K - k * BLOCK_K, other=0.0).to(tl.float32)[None, :]
             af = a.to(tl.float32)
@@ -94,10 +101,11 @@ def _linear_glu_kernel(
             s2 += tl.sum(af * af, 1)
             a = (af * gamma).to(a.dtype)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-        acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision=PRECISION)
+        if GATED:
+            acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision=PRECISION)
+            g_ptr += BLOCK_K
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
-        g_ptr += BLOCK_K
 
     dt = OUT.dtype.element_ty
     if NORM:  # LN(x) W^T = rstd * ((x * gamma) W^T - mean * (gamma W^T)), the norm without a bias
@@ -105,12 +113,17 @@ def _linear_glu_kernel(
         rstd = tl.rsqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)[:, None]
         mean = mean[:, None]
         acc = rstd * (acc - mean * tl.load(SW + wf)[None, :])
-        acc_g = rstd * (acc_g - mean * tl.load(SW + F + wf)[None, :])
+        if GATED:
+            acc_g = rstd * (acc_g - mean * tl.load(SW + F + wf)[None, :])
     if HAS_BIAS:
         acc += tl.load(BIAS + wf).to(tl.float32)[None, :]
-        acc_g += tl.load(BIAS + F + wf).to(tl.float32)[None, :]
-    u, _ = _act(acc.to(dt).to(tl.float32), ACT)
-    y = u * acc_g.to(dt).to(tl.float32)
+        if GATED:
+            acc_g += tl.load(BIAS + F + wf).to(tl.float32)[None, :]
+    if GATED:
+        u, _ = _act(acc.to(dt).to(tl.float32), ACT)
+        y = u * acc_g.to(dt).to(tl.float32)
+    else:
+        y = acc
     mask = (rm < M)[:, None] & (rf < F)[None, :]
     tl.store(OUT + rm.to(tl.int64)[:, None] * stride_o + rf[None, :], y.to(dt), mask=mask)
 
@@ -119,24 +132,29 @@ def _linear_glu_kernel(
 # fastest of five tiles on ModernBERT-base's Wi at T = 3,584 and 11,264 on an H100, alone and in
 # whole eager forwards (history/linear_glu_probe_h100_5346266.json: its `glu-gemm-n128`).
 TILE = (128, 128, 64, 8, 3)
+# The ungated GEMM's (`layer_norm_linear`): one (128, 256) accumulator, the registers and shared
+# memory of the gated tile's two (128, 128). Not yet measured against other tiles.
+TILE_LINEAR = (128, 256, 64, 8, 3)
 
 
-def linear_glu_fwd(x_TK: Tensor, weight: Tensor, bias: Tensor | None, act: int,
-                   tile: tuple[int, int, int, int, int] = TILE, norm_weight: Tensor | None = None,
+def linear_glu_fwd(x_TK: Tensor, weight: Tensor, bias: Tensor | None, act: int | None,
+                   tile: tuple[int, int, int, int, int] | None = None, norm_weight: Tensor | None = None,
                    eps: float = 1e-5) -> Tensor:
     """Launch the kernel: (T, F) from checked operands (`linear_glu`; with `norm_weight`, x's rows
-    normalised first: `layer_norm_linear_glu`); `tile`: the probe's override."""
+    normalised first: `layer_norm_linear_glu`). `act` None: no gate, x @ W^T + b over all of W's
+    rows (`layer_norm_linear`). `tile`: the probe's override of TILE / TILE_LINEAR."""
     T, K = x_TK.shape
-    F = weight.shape[0] // 2
+    gated = act is not None
+    F = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((T, F), dtype=x_TK.dtype, device=x_TK.device)
     if T == 0 or F == 0:
         return out
-    BM, BF, BK, warps, stages = tile
+    BM, BF, BK, warps, stages = tile or (TILE if gated else TILE_LINEAR)
     norm = norm_weight is not None
     launch(_linear_glu_kernel, (cdiv(T, BM) * cdiv(F, BF),), x_TK, weight, weight if bias is None else bias,
            norm_weight if norm else weight, _colsums(weight, norm_weight) if norm else weight, out,
            T, F, K, x_TK.stride(0), weight.stride(0), out.stride(0), float(eps),
-           HAS_BIAS=bias is not None, NORM=norm, ACT=act,
+           HAS_BIAS=bias is not None, GATED=gated, NORM=norm, ACT=act if gated else 0,
            PRECISION="ieee" if x_TK.dtype == torch.float32 else "tf32",
            EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_F=BF, BLOCK_K=BK, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
@@ -161,11 +179,11 @@ def _colsums(weight: Tensor, norm_weight: Tensor) -> Tensor:
     return _COLSUMS.put(leaves, None, sums) if keep else sums
 
 
-def _layout(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:
+def _layout(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool = True) -> str | None:
     """Why the kernel cannot take these operands (None: it can). Host values only."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[0] % 2:
-        return (f"x {tuple(x.shape)} @ weight.T {tuple(weight.shape[::-1])}: expected (T, D) @ (D, 2F), input "
-                "rows then as many gate rows")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or (gated and weight.shape[0] % 2):
+        return (f"x {tuple(x.shape)} @ weight.T {tuple(weight.shape[::-1])}: expected (T, D) @ (D, "
+                + ("2F), input rows then as many gate rows" if gated else "N)"))
     if bias is not None and bias.shape != (weight.shape[0],):
         return f"bias {tuple(bias.shape)} for {weight.shape[0]} weight rows"
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -197,10 +215,10 @@ def linear_glu(x_TD: Tensor, weight: Tensor, bias: Tensor | None = None, act: st
     return linear_glu_fwd(x_TD, weight, bias, code)
 
 
-def _unusable(x_TD: Tensor, *operands: Tensor | None) -> str | None:
+def _unusable(x_TD: Tensor, *operands: Tensor | None, gated: bool = True) -> str | None:
     """Why the public functions refuse these operands (None: they take them): the layout of x,
     weight, bias, then the dtype, then a gradient that any of them needs."""
-    why = _layout(x_TD, *operands[:2])
+    why = _layout(x_TD, *operands[:2], gated=gated)
     if why is None and x_TD.dtype not in (*_LOW, torch.float32):
         why = f"expected float16, bfloat16 or float32, got {x_TD.dtype}"
     if why is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_TD, *operands)):
