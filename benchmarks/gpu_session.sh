@@ -21,6 +21,8 @@
 #                                               #   extra, eager and graphed, torch-packed in the same run;
 #                                               #   records under $OUT/train-cute/ (history material: not the README's train table)
 #   bash benchmarks/gpu_session.sh host         # benchmarks.host_probe (eager host us per op) and benchmarks.norm_probe
+#   bash benchmarks/gpu_session.sh fused-gemms  # the Triton GEMMs with the gate / the LayerNorm inside (GPU tests, then
+#                                               #   benchmarks.linear_glu_probe: alone and in eager / graphed ModernBERT-base)
 #   bash benchmarks/gpu_session.sh inference    # modernbert + deberta families (DeBERTa peers from .whl)
 #   bash benchmarks/gpu_session.sh ab-query     # ModernBERT query: auto vs the fused RoPE forward vs its parts, two passes
 #   bash benchmarks/gpu_session.sh train        # train family, ModernBERT-base
@@ -76,7 +78,7 @@ if [ "${1:-}" = queue ]; then
     mkdir -p "$done_dir" "$final_out"
     declare -A limit=([minilm-a]=10 [stack-a]=60 [tests]=560 [tests-kernels]=480 [tests-rest]=330 [inference]=560 [readme-inference]=450 [train]=560
                       [readme-train]=330 [train-deberta]=560 [small]=550 [kernels]=550 [attention]=220 [attention-sweep]=330
-                      [attention-short]=210 [targets]=560 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [cute-attention]=210 [train-cute]=330 [host]=240 [cute-all]=560)
+                      [attention-short]=210 [targets]=560 [ab-query]=200 [compile]=200 [compile-bench]=300 [attention-profile]=200 [kernel-profile]=150 [cute-probes]=210 [host-profile]=200 [cute-bench]=320 [cute-attention]=210 [train-cute]=330 [host]=240 [cute-all]=560 [fused-gemms]=330)
     for st in "$@"; do
         if [ -e "$done_dir/$st" ]; then continue; fi
         need=${limit[$st]:-560}
@@ -92,7 +94,7 @@ if [ "${1:-}" = queue ]; then
     if [ -n "$left" ]; then echo "queue: left: $left($((SECONDS - start)) s)"; else echo "queue: done ($((SECONDS - start)) s)"; fi
     exit 0
 fi
-stage=${1:?usage: gpu_session.sh queue STAGE...|train-cute|compile|compile-bench|attention-profile|kernel-profile|cute-probes|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|targets|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|cute-geglu|cute-norms}
+stage=${1:?usage: gpu_session.sh queue STAGE...|train-cute|compile|compile-bench|attention-profile|kernel-profile|cute-probes|host-profile|tests|tests-kernels|tests-rest|inference|ab-query|readme-inference|train|readme-train|train-deberta|small|kernels|attention|attention-sweep|attention-short|targets|distributed|minilm-a|stack-a|cute|cute-all|cute-bench|host|fused-gemms|cute-geglu|cute-norms}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -183,6 +185,12 @@ case "$stage" in
     attention-short)  # the sweep on the short-sequence workloads alone
         timeout 200 python3 -m benchmarks attention --sweep --only query-64k,query-64k-window --out "$out" 2>&1 \
             | tee "$out/attention-short.log" | tail -40 ;;
+    fused-gemms)  # auto's rows for linear_glu, layer_norm_linear_glu and layer_norm_linear rest on this probe's record
+        timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_linear_glu.py \
+            tests/kernels/test_layer_norm_linear_glu.py tests/kernels/test_layer_norm_linear.py \
+            tests/models/test_deberta_kept_tables.py 2>&1 | tee "$out/fused-gemms-tests.log" | tail -8
+        timeout 230 python3 -m benchmarks.linear_glu_probe --out "$out" --rounds 8 2>&1 \
+            | tee "$out/linear_glu_probe.log" | tail -70 ;;
     host)  # eager host time per op (issue 19's layer-by-layer count) and the LayerNorm tile probe
         timeout 150 python3 -m benchmarks.host_probe --out "$out/host_probe.json" --trace "$out/host_trace.txt" 2>&1 | tee "$out/host_probe.log" | tail -30
         timeout 120 python3 -m benchmarks.norm_probe --out "$out/norm_probe.json" 2>&1 | tee "$out/norm_probe.log" | tail -12 ;;
