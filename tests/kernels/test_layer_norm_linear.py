@@ -96,6 +96,20 @@ def test_an_odd_row_count_is_taken_and_the_column_sums_are_kept_per_weight():
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_column_sums_kernel_is_an_fp32_product_read_in_the_weights_dtype(dtype):
+    # rows and K past one block each (masked tails), then a strided weight; inference tensors keep
+    # nothing, so every call runs the kernel
+    for N, K, cols in ((45, 300, 300), (7, 16, 24)):
+        w = torch.randn(N, cols, generator=torch.Generator().manual_seed(N)).to(dtype)[:, :K]
+        nw = (torch.rand(K, generator=torch.Generator().manual_seed(K)) + 0.5).to(dtype)
+        with torch.inference_mode():
+            got = LG._colsums(w, nw.clone())
+        assert got.dtype == torch.float32 and got.shape == (N,)
+        torch.testing.assert_close(got, w.double() @ nw.double(), rtol=1e-5, atol=1e-4, check_dtype=False)
+    assert LG._colsums(torch.empty(0, 8), torch.ones(8)).shape == (0,)
+
+
 def test_bad_input_is_a_clear_error():
     x, nw, w, b = _operands(5, 16, 12, torch.float32, True)
     with pytest.raises(InputError, match="bias"):
