@@ -4,7 +4,8 @@
 
 Issue 19's eager batches are host-bound: a DeBERTa-v3-base `mnli` batch costs ~2.6 ms of host
 time for ~0.9 ms of GPU work (`history/host_profile_h200_*.txt`). This probe runs the same Python
-as the eager CUDA path (the "triton" op table, `direct_launch` taken) on CPU tensors, with the two
+as the eager CUDA path (the op table a GPU machine builds for `--backend`, default "auto": the
+default path; `direct_launch` taken) on CPU tensors, with the two
 things that need a GPU replaced: a Triton launch reaches the cached C launcher's slot, which is a
 no-op here (the first call "compiles" into a fake compiled kernel), and every GEMM
 (`F.linear`, under the table's `linear`) returns `torch.empty` of its output shape (`linear_add`,
@@ -14,7 +15,8 @@ cost the real path ~10-20 us each on the GPU host (`history/host_profile_*`); th
 these figures.
 
 Cases: DeBERTa-v3 (12 layers, c2p + p2c, 256 buckets) and ModernBERT (22 layers, every third
-global), each at the real head dim (64) but 2 heads and a 128-wide hidden size (the CPU's tensor
+global), bf16 as on a GPU (the fused GEMMs take fp16 / bf16 only, so an fp32 model would take other
+routes), each at the real head dim (64) but 2 heads and a 128-wide hidden size (the CPU's tensor
 work stays small; the host path does not depend on widths), 16 sequences of 20-59 tokens (an `mnli`
 batch; `query` has 128 shorter ones, the same calls). `ms` is the median of `--reps` rounds of 20
 forwards under inference_mode, after warm-up; `launches` counts the kernel launches of one forward
@@ -97,14 +99,14 @@ class _LinearStub(torch.autograd.Function):
         return tuple(None if t is None else torch.empty_like(t) for t in ctx.like)
 
 
-def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+def _train_step(seed: int, backend: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(one eager ModernBERT MLM training step, the patches' undo) on 8 doc-like sequences, as the
     train family's `doc-b8` step: `make_step` with bf16 compute and AdamW over fp32 master weights.
 
     Beyond the inference stubs: GEMMs keep their autograd (`_LinearStub`), the multi-tensor cast,
     the gradients' norms and the fused AdamW (GPU kernels in the real step, CPU arithmetic here) are
     no-ops, and
-    `Tensor.is_cuda` answers True, so the training ops' autograd functions take their CUDA launchers
+    `Tensor.is_cuda` answers True (and no stream is capturing), so the training ops' autograd functions take their CUDA launchers
     rather than the CPU reference. Undone after the case. What CPU arithmetic is left (the MLM
     decoder's small gradient GEMMs, the embedding gradient: ~2 ms on a 2-core CPU) is counted."""
     import torch.nn.functional as F
@@ -116,15 +118,18 @@ def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     from packedenc.train import AdamW, TrainState, make_step
     from packedenc.train.losses import mlm_loss
 
-    saved = (F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm)
+    saved = (F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm,
+             torch.cuda.is_current_stream_capturing)
     F.linear = _LinearStub.apply
     torch.Tensor.is_cuda = property(lambda self: True)
+    torch.cuda.is_current_stream_capturing = lambda: False  # asked of "CUDA" tensors by auto's shape classes
     torch._foreach_copy_ = lambda *a, **k: None
     torch._fused_adamw_ = lambda *a, **k: None
     torch._foreach_norm = lambda ts, *a, **k: [ts[0].new_zeros(())] * len(ts)
 
     def undo() -> None:
-        F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm = saved
+        (F.linear, torch.Tensor.is_cuda, torch._foreach_copy_, torch._fused_adamw_, torch._foreach_norm,
+         torch.cuda.is_current_stream_capturing) = saved
 
     g = torch.Generator().manual_seed(seed)
     params = modernbert.init(_modernbert_config(), g, heads=("mlm",))
@@ -135,7 +140,7 @@ def _train_step(seed: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
     ids = torch.randint(5, 900, (T,), generator=g)
     pos = torch.randperm(T, generator=g)[: T // 7].sort().values
     batch = {"text": Packed(ids, cu, positions_from_cu_seqlens(cu, T), int(lens.max())), "pos": pos, "tgt": ids[pos]}
-    ops = get_ops("triton", "cuda")
+    ops = get_ops(backend, "cuda")
 
     def loss_fn(p: Any, b: dict[str, Any]) -> torch.Tensor:
         t = b["text"]
@@ -160,8 +165,9 @@ def _cases(seed: int) -> dict[str, tuple[Callable, Any]]:
     from packedenc.models import deberta, modernbert
 
     g = torch.Generator().manual_seed(seed)
-    deb = deberta.init(dataclasses.replace(deberta.PRESETS["v3-base"], intermediate_size=256, **_SMALL), g)
-    mb = modernbert.init(_modernbert_config(), g)
+    deb = deberta.init(dataclasses.replace(deberta.PRESETS["v3-base"], intermediate_size=256, **_SMALL), g,
+                       dtype=torch.bfloat16)
+    mb = modernbert.init(_modernbert_config(), g, dtype=torch.bfloat16)
     return {"deberta-v3-16seq": (deberta.encode, deb), "modernbert-16seq": (modernbert.encode, mb)}
 
 
@@ -181,7 +187,7 @@ def _timed(fn: Callable[[], Any], warmup: int, calls: int, reps: int) -> tuple[l
     return rounds, launches
 
 
-def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
+def measure(reps: int, seed: int = 0, backend: str = "auto") -> list[dict[str, Any]]:
     _stub_gpu()
     import torch.nn.functional as F
 
@@ -190,7 +196,8 @@ def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
 
     F.linear = _gemm_stub  # under the table's own `linear` entry and the composites (linear_glu)
     kernels._IMPLS["reference"]["linear_add"] = _linear_add_stub  # ModernBERT's inference output projections
-    ops = get_ops("triton", "cuda")
+    ops = get_ops(backend, "cuda")
+    system = "packedenc" if backend == "auto" else f"packedenc[{backend}]"  # the default path, or another table
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(20, 60, (16,), generator=g)
     cu = torch.zeros(17, dtype=torch.int32)
@@ -200,17 +207,17 @@ def measure(reps: int, seed: int = 0) -> list[dict[str, Any]]:
     for name, (encode, params) in _cases(seed).items():
         with torch.inference_mode():
             rounds, launches = _timed(lambda: encode(params, ids, cu, int(lens.max()), backend=ops), 5, 20, reps)
-        out.append({"system": "packedenc", "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
+        out.append({"system": system, "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
                     "rounds": reps, "launches": launches, "tokens": int(cu[-1]), "sequences": 16})
         print(f"{name:18s} {out[-1]['ms']:.3f} ms a forward (min {out[-1]['min_ms']:.3f}), {launches} launches",
               flush=True)
-    run, undo = _train_step(seed)
+    run, undo = _train_step(seed, backend)
     try:
         rounds, launches = _timed(run, 3, 5, reps)
     finally:
         undo()
     name = "modernbert-train-8seq"
-    out.append({"system": "packedenc", "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
+    out.append({"system": system, "workload": name, "ms": statistics.median(rounds), "min_ms": min(rounds),
                 "rounds": reps, "launches": launches, "sequences": 8})
     print(f"{name:18s} {out[-1]['ms']:.3f} ms a step (min {out[-1]['min_ms']:.3f}), {launches} launches", flush=True)
     return out
@@ -220,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--out", help="write the records (JSON) here")
+    ap.add_argument("--backend", default="auto", help="the op table (auto: the default path; triton: every Triton entry)")
     a = ap.parse_args(argv)
-    records = measure(a.reps)
+    records = measure(a.reps, backend=a.backend)
     if a.out:
         from benchmarks.records import git_commit, replace_text
 

@@ -301,8 +301,9 @@ def test_tokenize_probe_checks_and_times_every_path(tmp_path):
 
 def test_host_stub_runs_the_eager_cuda_path_with_launches_stubbed(tmp_path):
     """benchmarks.host_stub (its own process: it patches Triton's JIT): the inference cases and the
-    training step run the Triton table's eager path with no GPU, and each gets a record with its
-    host time."""
+    training step run the eager path of the table a GPU machine builds ("auto", bf16 models) with no
+    GPU, and each gets a record with its host time; `--backend triton` takes every Triton entry,
+    the unchosen fused norm GEMMs included (fewer launches)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -318,6 +319,17 @@ def test_host_stub_runs_the_eager_cuda_path_with_launches_stubbed(tmp_path):
     # the training step: forward, backward (dQ and dK/dV passes, norms, RoPE, GeGLU) and the MLM loss
     assert recs[0]["launches"] >= 12 * 4 and recs[1]["launches"] >= 22 * 4, recs
     assert recs[2]["launches"] >= 22 * 12, recs
+    assert {x["system"] for x in recs} == {"packedenc"}
+    forced = tmp_path / "forced.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.host_stub", "--reps", "1", "--backend", "triton",
+                        "--out", str(forced)], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    tri = json.loads(forced.read_text())
+    assert {x["system"] for x in tri} == {"packedenc[triton]"}
+    # ModernBERT inference: each mlp norm inside Wi's GEMM (a LayerNorm launch fewer a layer); each
+    # attention norm inside Wqkv's, a LayerNorm launch for a GEMM launch (cuBLAS's, stubbed, counts none)
+    assert tri[1]["launches"] == recs[1]["launches"] - 22, (tri[1], recs[1])
 
 
 def test_kernel_profile_classes_and_table():
