@@ -243,20 +243,20 @@ AUTO_CUDA: dict[str, tuple[Row, ...]] = {
     "layer_norm_linear_glu": (  # triton: the linear_glu GEMM normalising x's rows on their way in
         # (one launch and one (T, D) write fewer a layer), eager inference on small packs as linear_glu's row
         Row("triton", None, "small-uncaptured",
-            why_not="measured at twice the device time of the LayerNorm kernel + fused GEMM (69.7 vs 35.7 us at "
-                    "3.6k rows) while the K loop also summed W * norm_weight, which is now kept per weight "
-                    "(`_colsums`) and not yet remeasured; eager it won only where the "
-                    "host is slower than that device time: ModernBERT-base query 866k vs 765k tokens/s, doc-b8 "
-                    "658k vs 596k, but doc-b16 1070k vs 1338k and graphed query 1076k vs 1412k "
-                    "(history/linear_glu_probe_h100_6205edd.json, H100), so a faster host would lose on query too"),
+            why_not="its device time is 1.5x that of the LayerNorm kernel + fused GEMM (54.9 vs 36.2 us at 3.6k "
+                    "rows, with the column sums kept), so it wins only while the host is slower than the device: "
+                    "two H100 runs of one commit gave query 767k / 837k vs 758k / 802k tokens/s and doc-b8 584k / "
+                    "611k vs 550k / 598k, but doc-b16 848k / 1225k vs 838k / 1398k (lost where the host was "
+                    "faster), doc and graphed query lost (history/linear_glu_probe_h100_debc2a6.json, _run2)"),
     ),
     "layer_norm_linear": (  # triton: the same GEMM without the gate, normalising x's rows before Wqkv
         # (one launch fewer a layer), eager inference on small packs
         Row("triton", None, "small-uncaptured",
-            why_not="not yet measured: it replaces the LayerNorm kernel and cuBLAS's Wqkv GEMM, and cuBLAS "
-                    "beats this GEMM on plain projections' device time (Wqkv 21.5 vs 26.7 us at 3.6k rows, "
-                    "history/gemm_probe_h100_a41e30d.json), so it wins only where the saved launch outweighs that (benchmarks/linear_glu_probe.py's "
-                    "norm-wqkv case and glu-norm+qkv system measure it)"),
+            why_not="its device time is 1.9x the parts' (49.6 vs 26.7 us at 3.6k rows: cuBLAS beats this GEMM "
+                    "without the norm too, 37.0 us); with both norms fused, eager tokens/s vs the norm in Wi's "
+                    "GEMM only: query 830k / 789k vs 767k / 837k, doc-b8 613k / 650k vs 584k / 611k, doc-b16 "
+                    "924k / 1053k vs 848k / 1225k, so it loses on a host fast enough to keep up "
+                    "(history/linear_glu_probe_h100_debc2a6.json, _run2)"),
     ),
     "rotary_attention": (  # RoPE inside the attention forward: eager inference, sequences <= 128 tokens.
         # One launch and one (T, H, K) write fewer per layer on the host-bound short batches; the

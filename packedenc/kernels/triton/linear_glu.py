@@ -133,7 +133,9 @@ def _linear_glu_kernel(
 # whole eager forwards (history/linear_glu_probe_h100_5346266.json: its `glu-gemm-n128`).
 TILE = (128, 128, 64, 8, 3)
 # The ungated GEMM's (`layer_norm_linear`): one (128, 256) accumulator, the registers and shared
-# memory of the gated tile's two (128, 128). Not yet measured against other tiles.
+# memory of the gated tile's two (128, 128). With the NORM prologue the fastest of four tiles at
+# Wqkv's shape, T = 3,584 and 11,264, on an H100 (history/linear_glu_probe_h100_debc2a6.json,
+# `norm-wqkv-*` / `norm-gemm`; without the prologue (128, 128, 64, 8, 3) was faster).
 TILE_LINEAR = (128, 256, 64, 8, 3)
 
 
