@@ -22,7 +22,7 @@ from torch import Tensor
 
 from packedenc.errors import InputError
 from packedenc.kernels.triton._common import direct_launch
-from packedenc.kernels.triton.linear_glu import _LOW, _layout, _norm_layout, _unusable, linear_glu_fwd
+from packedenc.kernels.triton.linear_glu import _LOW, _layout, _norm_layout, _norm_unusable, linear_glu_fwd
 
 __all__ = ["layer_norm_linear", "covers_layer_norm_linear", "covered_layer_norm_linear"]
 
@@ -44,9 +44,7 @@ def layer_norm_linear(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | Non
     weight (N, D); bias (N,) or None. Return: (T, N) in x's dtype. Forward only: an input that
     needs a gradient raises InputError.
     """
-    why = _unusable(x_TD, weight, bias, norm_weight, gated=False)
-    if why is None:
-        why = _norm_layout(x_TD, norm_weight, norm_bias)
+    why = _norm_unusable(x_TD, weight, bias, norm_weight, norm_bias, gated=False)
     if why is not None:
         raise InputError(f"triton layer_norm_linear: {why}")
     return linear_glu_fwd(x_TD, weight, bias, None, norm_weight=norm_weight, eps=eps)

@@ -272,6 +272,14 @@ def _norm_layout(x: Tensor, norm_weight: Tensor, norm_bias: Tensor | None) -> st
     return None
 
 
+def _norm_unusable(x_TD: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor,
+                   norm_bias: Tensor | None, gated: bool = True) -> str | None:
+    """Why the public norm + GEMM functions refuse these operands (None: they take them): the GEMM's
+    checks (`_unusable`), then the norm's (`_norm_layout`)."""
+    why = _unusable(x_TD, weight, bias, norm_weight, gated=gated)
+    return why if why is not None else _norm_layout(x_TD, norm_weight, norm_bias)
+
+
 def covers_layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor | None, eps: float,
                                  weight: Tensor, bias: Tensor | None = None, act: str = "gelu") -> bool:
     """The calls this kernel takes: `covers_linear_glu`'s, with a LayerNorm without bias."""
@@ -294,9 +302,7 @@ def layer_norm_linear_glu(x_TD: Tensor, norm_weight: Tensor, norm_bias: Tensor |
     rest as `linear_glu`. Return: (T, F) in x's dtype. Forward only.
     """
     code = _code(act)
-    why = _unusable(x_TD, weight, bias, norm_weight)
-    if why is None:
-        why = _norm_layout(x_TD, norm_weight, norm_bias)
+    why = _norm_unusable(x_TD, weight, bias, norm_weight, norm_bias)
     if why is not None:
         raise InputError(f"triton layer_norm_linear_glu: {why}")
     return linear_glu_fwd(x_TD, weight, bias, code, norm_weight=norm_weight, eps=eps)
