@@ -76,6 +76,10 @@ class Kept:
         self._entries[key] = (refs, tuple(t._version for t in leaves), extra, value)
         return value
 
+    def clear(self) -> None:
+        """Drop every entry (a test starting from an empty store; a user freeing kept values)."""
+        self._entries.clear()
+
     def holds(self, t: Tensor) -> bool:
         """Whether an entry was made from `t` as its first tensor (alive)."""
         return any(e[0][0]() is t for e in self._entries.values())

@@ -36,6 +36,17 @@ def test_entries_go_with_their_first_tensor_and_the_oldest_past_the_limit():
     assert len(store) == 1 and store.get([ts[1]]) == 1
 
 
+def test_clear_drops_every_entry():
+    store = Kept(max_entries=4)
+    a, b = torch.ones(1), torch.ones(1)
+    store.put([a], None, 1)
+    store.put([b], None, 2)
+    store.clear()
+    assert len(store) == 0 and store.get([a]) is None and not store.holds(b)
+    store.put([a], None, 3)  # usable again
+    assert store.get([a]) == 3
+
+
 def test_not_keepable_in_inference_tensors_or_without_leaves():
     assert keepable([torch.ones(2)]) and not keepable([])
     with torch.inference_mode():
