@@ -212,8 +212,8 @@ def embed_layer_norm(
 ) -> Tensor:
     """LayerNorm(table[ids]) without materialising the gathered rows. Ids outside [0, V) are
     rejected by `encode`'s input checks; the kernel reads zeros for them rather than fault."""
-    if direct_launch(table_VD, weight, bias) and ids_T.is_cuda:
+    if direct_launch(table_VD, weight, bias) and ids_T.device == table_VD.device:
         return ln_fwd(table_VD, weight, bias, eps, ids=ids_T)[0].view(*ids_T.shape, table_VD.shape[-1])
-    if eager_cuda(table_VD, weight, bias) and ids_T.is_cuda:
+    if eager_cuda(table_VD, weight, bias) and ids_T.device == table_VD.device:
         return _embed_layer_norm_eager(ids_T, table_VD, weight, bias, eps)
     return torch.ops.packedenc.embed_layer_norm(ids_T, table_VD, weight, bias, eps)
